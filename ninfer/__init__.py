@@ -1,0 +1,3 @@
+"""ninfer: an inference engine and server for Qwen3.5-family models."""
+
+__version__ = "0.1.0"
