@@ -16,3 +16,41 @@ class ConversionError(NinferError):
 
 class UnsupportedModelError(NinferError):
     """The artifact's architecture / model_type has no model class."""
+
+
+class InvalidRequestError(NinferError):
+    """A generation request is malformed: empty prompt, out-of-range sampling value, bad token id."""
+
+
+class ContextLengthExceeded(InvalidRequestError):
+    """Prompt plus the output limit does not fit the per-request context window."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_context = max_context
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} tokens exceeds the context window of "
+            f"{max_context} tokens"
+        )
+
+
+class QueueFull(NinferError):
+    """Every active lane is busy and the pending queue holds its maximum number of requests."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        super().__init__(f"server overloaded: all lanes busy and {max_pending} requests pending")
+
+
+class QueueTimeout(NinferError):
+    """A request waited in the pending queue past its deadline without being admitted."""
+
+    def __init__(self, waited_s: float) -> None:
+        self.waited_s = waited_s
+        super().__init__(f"request not admitted within {waited_s:.1f} s of waiting")
+
+
+class EngineClosed(NinferError):
+    """The engine was shut down (or its thread failed) before the request could run."""
