@@ -54,3 +54,7 @@ class QueueTimeout(NinferError):
 
 class EngineClosed(NinferError):
     """The engine was shut down (or its thread failed) before the request could run."""
+
+
+class ConfigError(NinferError):
+    """An engine or command setting is out of range or inconsistent with another."""

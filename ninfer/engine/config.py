@@ -1,0 +1,73 @@
+"""`EngineConfig`: the settings fixed when an engine starts (limits, pools, device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ninfer.errors import ConfigError
+
+MAX_CONCURRENCY = 64
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Startup settings of an `Engine`.
+
+    `max_context`: prompt + output ceiling of one request. `max_concurrency`: requests that run
+    at once (lanes, 1..64). `max_pending_requests`: requests that may wait for a lane; one more
+    is refused with `QueueFull`. `pending_timeout`: seconds a request may wait before it fails
+    with `QueueTimeout` (None waits forever). `kv_capacity`: tokens of attention K/V shared by all
+    requests, or "auto" for the largest pool that fits next to the weights (on CPU, enough for
+    every lane at `max_context`). `prefill_chunk`: prompt tokens processed per step.
+    `default_max_tokens`: output limit of a request that sets none (None: up to `max_context`).
+    `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU.
+    """
+
+    max_context: int = 4096
+    max_concurrency: int = 8
+    max_pending_requests: int = 64
+    pending_timeout: float | None = None
+    kv_capacity: int | Literal["auto"] = "auto"
+    prefill_chunk: int = 1024
+    default_max_tokens: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    kv_headroom_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_context < 2:
+            raise ConfigError(f"max_context = {self.max_context} must be >= 2")
+        if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
+            raise ConfigError(
+                f"max_concurrency = {self.max_concurrency} must be in 1..{MAX_CONCURRENCY}"
+            )
+        if self.max_pending_requests < 0:
+            raise ConfigError(f"max_pending_requests = {self.max_pending_requests} must be >= 0")
+        if self.pending_timeout is not None and self.pending_timeout <= 0:
+            raise ConfigError(f"pending_timeout = {self.pending_timeout} must be > 0")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk = {self.prefill_chunk} must be >= 1")
+        if self.kv_capacity != "auto":
+            if not isinstance(self.kv_capacity, int) or self.kv_capacity < 1:
+                raise ConfigError(f"kv_capacity = {self.kv_capacity!r} must be tokens or 'auto'")
+            if self.kv_capacity < self.max_context:
+                raise ConfigError(
+                    f"kv_capacity ({self.kv_capacity} tokens) must hold at least one request "
+                    f"of max_context ({self.max_context} tokens)"
+                )
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens = {self.default_max_tokens} must be >= 1")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype = {self.dtype!r} must be float32, bfloat16 or float16")
+
+
+def parse_kv_capacity(text: str) -> int | Literal["auto"]:
+    """`--kv-capacity` value: a token count or `auto`."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"kv_capacity {text!r} must be a number of tokens or 'auto'") from None
+    return value

@@ -1,0 +1,187 @@
+"""The messages that cross the engine boundary: what a caller asks for (`SamplingParams`,
+`GenerationRequest`) and what comes back (`TokenEvent` with `Usage` and `Timings`).
+
+Plain dataclasses with no torch import, so the server and the CLI can build them cheaply."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ninfer.errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `temperature=0` is greedy decoding. `top_k=0`, `top_p=1` and `min_p=0` turn those filters
+    off. Penalties follow OpenAI: presence subtracts a constant from every token already
+    generated, frequency subtracts in proportion to its count (prompt tokens do not count).
+    `logit_bias` adds to the raw logits of the given token ids. `seed` makes sampling
+    reproducible: the same seed, prompt and parameters give the same tokens, whatever else is
+    running. `logprobs=None` returns none, `0` the sampled token's, `n` also the top n.
+    `max_tokens=None` lets the request run to the end of its context window.
+    `stop` strings end the content channel, `reasoning_stop` strings the reasoning channel; a
+    matched string is withheld from the output. `stop_token_ids` add to the model's end-of-turn
+    ids, which `ignore_eos` switches off.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] | list[str] = ()
+    reasoning_stop: tuple[str, ...] | list[str] = ()
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @classmethod
+    def greedy(cls, **overrides: object) -> SamplingParams:
+        """Deterministic argmax decoding."""
+        return cls(temperature=0.0, **overrides)  # type: ignore[arg-type]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `InvalidRequestError` naming the first field out of range."""
+
+        def bad(name: str, value: object, rule: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} = {value!r} is invalid: {rule}")
+
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be >= 0 (0 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > 2.0:
+                raise bad(name, value, "must be in [-2, 2]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "must be an integer")
+        for name, values in (("stop", self.stop), ("reasoning_stop", self.reasoning_stop)):
+            if any(not isinstance(s, str) or not s for s in values):
+                raise bad(name, list(values), "stop strings must be non-empty strings")
+        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+        for token_id in ids:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise bad("token id", token_id, "must be a non-negative integer")
+            if vocab_size is not None and token_id >= vocab_size:
+                raise bad("token id", token_id, f"must be < the vocabulary size {vocab_size}")
+        for token_id, value in (self.logit_bias or {}).items():
+            if not math.isfinite(value) or abs(value) > 100.0:
+                raise bad(f"logit_bias[{token_id}]", value, "must be in [-100, 100]")
+
+
+_request_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_request_counter)}"
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation: prompt token ids plus sampling and stop rules.
+
+    `starts_in_reasoning` tells the output decoder that the prompt left a `<think>` block open,
+    so the first generated text belongs to the reasoning channel. `detokenize=False` skips the
+    text layer (events carry token ids only).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=new_request_id)
+    starts_in_reasoning: bool = False
+    detokenize: bool = True
+
+    def with_params(self, **changes: object) -> GenerationRequest:
+        return replace(self, params=replace(self.params, **changes))
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token under the model, with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class Timings:
+    """Seconds spent in each phase of one request.
+
+    `queue`: submit to admission; `prefill`: admission to the first token; `ttft`: submit to the
+    first token; `decode`: first token to the last; `total`: submit to finish.
+    """
+
+    queue: float = 0.0
+    prefill: float = 0.0
+    ttft: float = 0.0
+    decode: float = 0.0
+    total: float = 0.0
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """What one engine step produced for one request.
+
+    `token_ids` are the new ids; `reasoning` and `content` the new text on each channel (empty
+    when the request does not detokenize). The last event of a request has `finish_reason`,
+    `usage` and `timings`; `stop_reason` is the stop string or token id that ended it, and
+    `error` a message when `finish_reason == "error"`.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    reasoning: str = ""
+    content: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
