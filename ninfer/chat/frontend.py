@@ -1,0 +1,178 @@
+"""`ChatFrontend`: the artifact's tokenizer, chat template and sampling presets in one object,
+the text side of a request from messages to prompt ids and from generated ids to text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ninfer.chat.decoder import OutputDecoder
+from ninfer.chat.presets import SamplingFields, sampling_preset
+from ninfer.chat.template import (
+    ChatTemplate,
+    ChatTemplateError,
+    prompt_ends_in_reasoning,
+    tool_arguments_as_objects,
+)
+from ninfer.chat.tokenizer import Tokenizer
+
+
+@dataclass(slots=True, frozen=True)
+class ChatPrompt:
+    """A rendered request: its text and ids, whether generation starts inside `<think>`, the
+    resolved thinking mode (the explicit switch, else on when the template has one or the prompt
+    opens `<think>`) and the effort passed to the template."""
+
+    text: str
+    token_ids: list[int]
+    starts_in_reasoning: bool
+    enable_thinking: bool
+    reasoning_effort: str | None
+
+
+def _json(data: bytes | str | dict | None) -> dict:
+    if data is None:
+        return {}
+    if isinstance(data, dict):
+        return data
+    return json.loads(data)
+
+
+def _pick_templates(chat_template: bytes | str | None, tokenizer_config: dict) -> dict[str, str]:
+    """Named template sources: the standalone resource wins over tokenizer_config's
+    `chat_template`, which is a string or a list of `{name, template}`."""
+    if chat_template is not None:
+        if isinstance(chat_template, bytes):
+            chat_template = chat_template.decode("utf-8")
+        return {"default": chat_template}
+    embedded = tokenizer_config.get("chat_template")
+    if isinstance(embedded, str):
+        return {"default": embedded}
+    if isinstance(embedded, list):
+        return {t["name"]: t["template"] for t in embedded if "name" in t and "template" in t}
+    return {}
+
+
+class ChatFrontend:
+    def __init__(
+        self,
+        tokenizer_json: bytes | str,
+        tokenizer_config: bytes | str | dict | None = None,
+        chat_template: bytes | str | None = None,
+        generation_config: bytes | str | dict | None = None,
+    ) -> None:
+        config = _json(tokenizer_config)
+        self.generation_config = _json(generation_config)
+        self.tokenizer = Tokenizer(tokenizer_json, config, self.generation_config)
+        self._templates = {
+            name: ChatTemplate(source, self.tokenizer.special_tokens)
+            for name, source in _pick_templates(chat_template, config).items()
+        }
+
+    @classmethod
+    def from_artifact(cls, artifact: Any, component: str = "text") -> ChatFrontend:
+        """From a `.ninfer` artifact's resources (`tokenizer` is required)."""
+        tokenizer_json = artifact.resource("tokenizer", component)
+        if tokenizer_json is None:
+            raise ChatTemplateError("the artifact has no tokenizer resource")
+        return cls(
+            tokenizer_json,
+            artifact.resource("tokenizer_config", component),
+            artifact.resource("chat_template", component),
+            artifact.resource("generation_config", component),
+        )
+
+    @classmethod
+    def from_directory(cls, path: str | Path) -> ChatFrontend:
+        """From a Hugging Face checkpoint directory (tokenizer.json, tokenizer_config.json,
+        chat_template.jinja, generation_config.json; all but the first optional)."""
+        root = Path(path)
+
+        def read(name: str) -> bytes | None:
+            file = root / name
+            return file.read_bytes() if file.is_file() else None
+
+        tokenizer_json = read("tokenizer.json")
+        if tokenizer_json is None:
+            raise FileNotFoundError(root / "tokenizer.json")
+        return cls(
+            tokenizer_json,
+            read("tokenizer_config.json"),
+            read("chat_template.jinja"),
+            read("generation_config.json"),
+        )
+
+    def template(self, tools: list | None = None) -> ChatTemplate:
+        """The template transformers would pick: `tool_use` when tools are given and it exists,
+        else `default`."""
+        if tools and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if len(self._templates) == 1:
+            return next(iter(self._templates.values()))
+        raise ChatTemplateError("the model has no chat template; send token ids instead")
+
+    @property
+    def has_template(self) -> bool:
+        return bool(self._templates)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
+        reasoning_effort: str | None = None,
+        preserve_thinking: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> ChatPrompt:
+        """Checks the reasoning options against the template (typed `ChatTemplateOptionError`),
+        renders and tokenizes. Tool-call arguments given as JSON strings are passed to the
+        template as objects."""
+        template = self.template(tools)
+        options = template.resolve_reasoning(enable_thinking, reasoning_effort)
+        text = template.render(
+            tool_arguments_as_objects(messages),
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=options.enable_thinking,
+            reasoning_effort=options.reasoning_effort,
+            preserve_thinking=preserve_thinking,
+        )
+        starts_in_reasoning = prompt_ends_in_reasoning(text)
+        thinking = options.enable_thinking
+        if thinking is None:
+            thinking = starts_in_reasoning or template.capabilities.thinking
+        return ChatPrompt(
+            text=text,
+            token_ids=self.tokenizer.encode(text),
+            starts_in_reasoning=starts_in_reasoning,
+            enable_thinking=thinking,
+            reasoning_effort=options.reasoning_effort,
+        )
+
+    def decoder(
+        self,
+        starts_in_reasoning: bool,
+        stop: Iterable[str] = (),
+        reasoning_stop: Iterable[str] = (),
+        stop_token_ids: Collection[int] | None = None,
+    ) -> OutputDecoder:
+        """An output decoder; stop token ids default to the model's eos ids."""
+        return OutputDecoder(
+            self.tokenizer,
+            starts_in_reasoning=starts_in_reasoning,
+            stop=stop,
+            reasoning_stop=reasoning_stop,
+            stop_token_ids=self.stop_token_ids if stop_token_ids is None else stop_token_ids,
+        )
+
+    def sampling_preset(self, thinking: bool) -> SamplingFields:
+        return sampling_preset(self.generation_config, thinking)
