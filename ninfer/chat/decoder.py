@@ -139,6 +139,18 @@ class ThinkSplitter:
             self._segment_start = False
 
 
+class RawSplitter:
+    """No reasoning split: every character goes to content as generated (`--raw-output`)."""
+
+    channel = CONTENT
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        return [(CONTENT, text)] if text else []
+
+    def finish(self) -> list[tuple[str, str]]:
+        return []
+
+
 class StopMatcher:
     """Finds stop strings in a text stream split at arbitrary points; holds back any suffix that
     could begin a stop string."""
@@ -193,9 +205,12 @@ class OutputDecoder:
         stop: Iterable[str] = (),
         reasoning_stop: Iterable[str] = (),
         stop_token_ids: Collection[int] = (),
+        split_reasoning: bool = True,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
-        self._splitter = ThinkSplitter(starts_in_reasoning)
+        self._splitter: ThinkSplitter | RawSplitter = (
+            ThinkSplitter(starts_in_reasoning) if split_reasoning else RawSplitter()
+        )
         self._matchers = {CONTENT: StopMatcher(stop), REASONING: StopMatcher(reasoning_stop)}
         self._stop_token_ids = frozenset(stop_token_ids)
         self.stopped = False

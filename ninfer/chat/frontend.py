@@ -164,6 +164,7 @@ class ChatFrontend:
         stop: Iterable[str] = (),
         reasoning_stop: Iterable[str] = (),
         stop_token_ids: Collection[int] | None = None,
+        split_reasoning: bool = True,
     ) -> OutputDecoder:
         """An output decoder; stop token ids default to the model's eos ids."""
         return OutputDecoder(
@@ -172,6 +173,7 @@ class ChatFrontend:
             stop=stop,
             reasoning_stop=reasoning_stop,
             stop_token_ids=self.stop_token_ids if stop_token_ids is None else stop_token_ids,
+            split_reasoning=split_reasoning,
         )
 
     def sampling_preset(self, thinking: bool) -> SamplingFields:

@@ -167,3 +167,13 @@ def test_push_after_stop_is_an_error(tokenizer):
     with pytest.raises(RuntimeError):
         decoder.push(1)
     assert decoder.finish().content == ""
+
+
+def test_raw_output_keeps_think_markers_in_content(tokenizer):
+    text = "\nhmm\n</think>\n\nanswer"
+
+    decoder = OutputDecoder(tokenizer, starts_in_reasoning=True, split_reasoning=False)
+    reasoning, content, _ = run(decoder, tokenizer.encode(text))
+
+    assert (reasoning, content) == ("", text)
+    assert decoder.reasoning_tokens == 0
