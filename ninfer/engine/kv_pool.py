@@ -1,0 +1,188 @@
+"""The preallocated memory pools: K/V pages of full-attention layers and recurrent-state slots of
+Gated-DeltaNet layers, with the allocators that hand them to sequences.
+
+Invariants (checked by `check_integrity`): every page / slot is either free or owned by exactly
+one owner, never both and never twice, and owned + free = total. A slot's GDN state and conv
+window are zeroed when the slot is handed out, so a fresh sequence starts from an empty state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+PAGE_SIZE = 64
+
+
+class PoolExhausted(RuntimeError):
+    """Asked for more pages or slots than are free; callers check `num_free` first."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """Shapes of the per-layer caches a model needs (from `model.cache_spec()`)."""
+
+    num_attention_layers: int  # full-attention layers, the MTP layer included
+    num_kv_heads: int
+    head_dim: int
+    num_gdn_layers: int
+    gdn_heads: int  # value heads Hv
+    gdn_key_dim: int  # dk
+    gdn_value_dim: int  # dv
+    conv_dim: int  # channels of the GDN causal conv (2 * Hk * dk + Hv * dv)
+    conv_kernel: int  # K; a slot keeps the last K - 1 conv inputs
+
+    def page_bytes(self, kv_dtype: torch.dtype) -> int:
+        """Bytes one page takes across all attention layers (K and V)."""
+        per_layer = 2 * PAGE_SIZE * self.num_kv_heads * self.head_dim * kv_dtype.itemsize
+        return self.num_attention_layers * per_layer
+
+    def slot_bytes(self, conv_dtype: torch.dtype) -> int:
+        """Bytes one state slot takes across all GDN layers (fp32 state + conv window)."""
+        state = self.gdn_heads * self.gdn_key_dim * self.gdn_value_dim * 4
+        window = self.conv_dim * (self.conv_kernel - 1) * conv_dtype.itemsize
+        return self.num_gdn_layers * (state + window)
+
+
+class PageAllocator:
+    """Hands out 64-token KV pages; remembers the owner of each page."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._owner: list[Hashable | None] = [None] * num_pages
+        # popped from the end, so low page ids go first
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def owner(self, page: int) -> Hashable | None:
+        return self._owner[page]
+
+    def allocate(self, owner: Hashable, count: int) -> list[int]:
+        if count > len(self._free):
+            raise PoolExhausted(f"need {count} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self._owner[page] = owner
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            if self._owner[page] is None:
+                raise ValueError(f"page {page} is already free")
+            self._owner[page] = None
+            self._free.append(page)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        owned = {p for p, o in enumerate(self._owner) if o is not None}
+        if owned & free:
+            raise AssertionError(f"pages both owned and free: {sorted(owned & free)}")
+        if len(owned) + len(free) != self.num_pages:
+            raise AssertionError(
+                f"owned {len(owned)} + free {len(free)} != total {self.num_pages} pages"
+            )
+
+
+class StateSlotAllocator:
+    """Hands out GDN state slots (recurrent state + conv window of every GDN layer).
+
+    `tensors` are the per-layer pools indexed by slot on dim 0; a slot is zeroed in all of them
+    when handed out.
+    """
+
+    def __init__(self, num_slots: int, tensors: Sequence[torch.Tensor] = ()) -> None:
+        self.num_slots = num_slots
+        self._tensors = list(tensors)
+        self._owner: list[Hashable | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def owner(self, slot: int) -> Hashable | None:
+        return self._owner[slot]
+
+    def allocate(self, owner: Hashable) -> int:
+        if not self._free:
+            raise PoolExhausted("no free state slot")
+        slot = self._free.pop()
+        self._owner[slot] = owner
+        for tensor in self._tensors:
+            tensor[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if self._owner[slot] is None:
+            raise ValueError(f"state slot {slot} is already free")
+        self._owner[slot] = None
+        self._free.append(slot)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a state slot is on the free list twice")
+        owned = {s for s, o in enumerate(self._owner) if o is not None}
+        if owned & free:
+            raise AssertionError(f"state slots both owned and free: {sorted(owned & free)}")
+        if len(owned) + len(free) != self.num_slots:
+            raise AssertionError(
+                f"owned {len(owned)} + free {len(free)} != total {self.num_slots} state slots"
+            )
+
+
+class ModelCache:
+    """All cache tensors of one model plus the allocators over them.
+
+    - `k[i]`, `v[i]`: `[num_pages, 64, n_kv_heads, head_dim]` for attention layer i (in layer
+      order; the MTP layer is last), dtype `kv_dtype`.
+    - `gdn_state[j]`: `[num_slots, Hv, dk, dv]` fp32 for GDN layer j (in layer order).
+    - `conv_window[j]`: `[num_slots, conv_dim, K - 1]`, the last K - 1 conv inputs, model dtype.
+    """
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        num_pages: int,
+        num_slots: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.spec = spec
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        kv_dtype = kv_dtype or dtype
+        page_shape = (num_pages, PAGE_SIZE, spec.num_kv_heads, spec.head_dim)
+        self.k = [
+            torch.zeros(page_shape, dtype=kv_dtype, device=device)
+            for _ in range(spec.num_attention_layers)
+        ]
+        self.v = [
+            torch.zeros(page_shape, dtype=kv_dtype, device=device)
+            for _ in range(spec.num_attention_layers)
+        ]
+        state_shape = (num_slots, spec.gdn_heads, spec.gdn_key_dim, spec.gdn_value_dim)
+        window_shape = (num_slots, spec.conv_dim, spec.conv_kernel - 1)
+        self.gdn_state = [
+            torch.zeros(state_shape, dtype=torch.float32, device=device)
+            for _ in range(spec.num_gdn_layers)
+        ]
+        self.conv_window = [
+            torch.zeros(window_shape, dtype=dtype, device=device)
+            for _ in range(spec.num_gdn_layers)
+        ]
+        self.pages = PageAllocator(num_pages)
+        self.slots = StateSlotAllocator(num_slots, [*self.gdn_state, *self.conv_window])
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        self.slots.check_integrity()

@@ -1,0 +1,71 @@
+"""Gated full attention: q_proj packs per head [query | gate]; q/k RMSNorm before partial
+M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj."""
+
+import torch
+from torch import nn
+
+from ninfer.kernels.kv_write import write_kv
+from ninfer.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from ninfer.models.context import ForwardContext
+from ninfer.models.layers.norms import RMSNorm
+from ninfer.models.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        cache_index: int,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.cache_index = cache_index  # which attention layer of ModelCache holds our K/V
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        query, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
+        key = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        query = rotary.apply(self.q_norm(query), cos, sin)
+        key = rotary.apply(self.k_norm(key), cos, sin)
+
+        k_cache = ctx.cache.k[self.cache_index]
+        v_cache = ctx.cache.v[self.cache_index]
+        write_kv(key, value, k_cache, v_cache, ctx.kv_write_slots)
+        scale = self.head_dim**-0.5
+        if ctx.is_decode:
+            out = paged_attention_decode(
+                query, k_cache, v_cache, ctx.page_table, ctx.seq_lens, scale
+            )
+        else:
+            out = paged_attention_prefill(
+                query,
+                k_cache,
+                v_cache,
+                ctx.page_table,
+                ctx.query_start,
+                ctx.context_lens,
+                ctx.seq_lens,
+                scale,
+            )
+        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(out)

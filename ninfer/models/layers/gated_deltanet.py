@@ -1,0 +1,78 @@
+"""Gated DeltaNet mixer: projections, causal conv (window carried in a state slot) + SiLU,
+gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for decode),
+gated RMSNorm with silu(z), out_proj."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.kernels.causal_conv1d import causal_conv1d
+from ninfer.kernels.gdn_chunked import chunk_gated_delta_rule
+from ninfer.kernels.gdn_recurrent import recurrent_gated_delta_rule
+from ninfer.models.context import ForwardContext
+from ninfer.models.layers.norms import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_key_heads: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        conv_kernel: int,
+        eps: float,
+        cache_index: int,
+    ) -> None:
+        super().__init__()
+        self.num_key_heads = num_key_heads
+        self.num_value_heads = num_value_heads
+        self.key_head_dim = key_head_dim
+        self.value_head_dim = value_head_dim
+        self.key_dim = num_key_heads * key_head_dim
+        self.value_dim = num_value_heads * value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.cache_index = cache_index  # which GDN layer of ModelCache holds our state
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.empty(num_value_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(num_value_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(value_head_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        mixed = causal_conv1d(
+            self.in_proj_qkv(x),
+            self.conv1d.weight[:, 0],
+            ctx.cache.conv_window[self.cache_index],
+            ctx.state_slots,
+            ctx.query_start,
+        )
+        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.view(tokens, self.num_key_heads, self.key_head_dim)
+        key = key.view(tokens, self.num_key_heads, self.key_head_dim)
+        value = value.view(tokens, self.num_value_heads, self.value_head_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+
+        rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
+        out = rule(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            ctx.cache.gdn_state[self.cache_index],
+            ctx.state_slots,
+            ctx.query_start,
+        )
+        z = self.in_proj_z(x).view(tokens, self.num_value_heads, self.value_head_dim)
+        out = self.norm(out, z).reshape(tokens, self.value_dim)
+        return self.out_proj(out)

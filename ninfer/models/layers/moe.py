@@ -1,0 +1,55 @@
+"""Qwen3.5 sparse MoE: fp32 softmax over all experts, top-k, renormalise, cast to the model
+dtype; SwiGLU experts stored stacked (`gate_up_proj` [E, 2I, H] gate rows first, `down_proj`
+[E, H, I]); plus a shared SwiGLU expert scaled by sigmoid(x . w_shared_gate)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.models.layers.mlp import MLP
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in fp32."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in experts.unique().tolist():
+            token, choice = (experts == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, (y * weights[token, choice, None]).float())
+        return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        shared_intermediate_size: int,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = MLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        routed = self.experts(x, experts, weights)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

@@ -1,0 +1,293 @@
+"""Qwen3.5 text models, dense (`qwen3_5`) and MoE (`qwen3_5_moe`): a stack of Gated-DeltaNet and
+gated-attention decoder layers with (1 + w) RMSNorms, optionally followed by the MTP layer.
+The two architectures differ only in the MLP of each layer.
+
+Parameter names inside the module are the logical tensor names without their component
+(`layers.3.self_attn.q_proj.weight` is `text/layers.3.self_attn.q_proj.weight`; `mtp.fc.weight`
+is `mtp/fc.weight`), so loading is a walk over `named_parameters()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.engine.kv_pool import CacheSpec
+from ninfer.errors import UnsupportedModelError
+from ninfer.models.context import ForwardContext
+from ninfer.models.layers.attention import Attention
+from ninfer.models.layers.gated_deltanet import GatedDeltaNet
+from ninfer.models.layers.mlp import MLP
+from ninfer.models.layers.moe import SparseMoE
+from ninfer.models.layers.norms import RMSNorm
+from ninfer.models.layers.rotary import RotaryEmbedding
+from ninfer.models.weights import WeightSource
+
+
+@dataclass(slots=True)
+class Qwen3_5Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: list[str]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: list[int]
+    tie_word_embeddings: bool
+    intermediate_size: int = 0  # dense MLP
+    is_moe: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], *, is_moe: bool) -> Qwen3_5Config:
+        """Read an HF config.json dict (top level or multimodal with a nested `text_config`)."""
+        text = config.get("text_config") or config
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        num_layers = text["num_hidden_layers"]
+        layer_types = text.get("layer_types") or [
+            "full_attention"
+            if (i + 1) % text.get("full_attention_interval", 4) == 0
+            else "linear_attention"
+            for i in range(num_layers)
+        ]
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+            raise UnsupportedModelError(f"unsupported rope_type {rope.get('rope_type')!r}")
+        unknown = set(layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}")
+        num_heads = text["num_attention_heads"]
+        return cls(
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            num_layers=num_layers,
+            layer_types=list(layer_types),
+            num_heads=num_heads,
+            num_kv_heads=text.get("num_key_value_heads", num_heads),
+            head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            conv_kernel=text.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
+            partial_rotary_factor=rope.get(
+                "partial_rotary_factor", text.get("partial_rotary_factor", 0.25)
+            ),
+            mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
+            tie_word_embeddings=bool(tie),
+            intermediate_size=text.get("intermediate_size", 0) if not is_moe else 0,
+            is_moe=is_moe,
+            num_experts=text.get("num_experts", 0) if is_moe else 0,
+            num_experts_per_tok=text.get("num_experts_per_tok", 0) if is_moe else 0,
+            moe_intermediate_size=text.get("moe_intermediate_size", 0) if is_moe else 0,
+            shared_expert_intermediate_size=(
+                text.get("shared_expert_intermediate_size", 0) if is_moe else 0
+            ),
+        )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h += mixer(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, config: Qwen3_5Config, layer_type: str, cache_index: int) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        c = config
+        if layer_type == "full_attention":
+            self.self_attn = Attention(
+                c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cache_index
+            )
+        else:
+            self.linear_attn = GatedDeltaNet(
+                c.hidden_size,
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                c.conv_kernel,
+                c.rms_norm_eps,
+                cache_index,
+            )
+        if c.is_moe:
+            self.mlp = SparseMoE(
+                c.hidden_size,
+                c.num_experts,
+                c.num_experts_per_tok,
+                c.moe_intermediate_size,
+                c.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, hidden, rotary, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == "full_attention":
+            hidden = hidden + self.self_attn(normed, rotary, cos, sin, ctx)
+        else:
+            hidden = hidden + self.linear_attn(normed, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class MultiTokenPredictor(nn.Module):
+    """The MTP layer: h' = fc([norm_e(embed(x_{t+1})) ; norm_h(h_t)]), one full-attention
+    decoder layer with its own K/V (the last attention layer of the cache), then its own norm.
+    `h_t` is the main model's hidden state after its final norm; logits go through the shared
+    head (`model.compute_logits`)."""
+
+    def __init__(self, config: Qwen3_5Config, cache_index: int, parent: Qwen3_5ForCausalLM):
+        super().__init__()
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config, "full_attention", cache_index)])
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self._parent = (parent,)  # a tuple, so the parent is not registered as a submodule
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        parent = self._parent[0]
+        embedded = parent.embed_tokens(input_ids)
+        joined = torch.cat(
+            [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1
+        )
+        x = self.fc(joined)
+        cos, sin = parent.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, parent.rotary, cos, sin, ctx)
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Dense or MoE Qwen3.5 text model over flat varlen batches (see `ForwardContext`)."""
+
+    is_moe = False
+
+    def __init__(
+        self,
+        config: Qwen3_5Config,
+        *,
+        with_mtp: bool,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        layers, attention_count, gdn_count = [], 0, 0
+        for layer_type in c.layer_types:
+            if layer_type == "full_attention":
+                layers.append(DecoderLayer(c, layer_type, attention_count))
+                attention_count += 1
+            else:
+                layers.append(DecoderLayer(c, layer_type, gdn_count))
+                gdn_count += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.mtp = MultiTokenPredictor(c, attention_count, self) if with_mtp else None
+        self.rotary = RotaryEmbedding(
+            c.head_dim, c.partial_rotary_factor, c.rope_theta, c.mrope_section, device
+        )
+        self._num_attention_layers = attention_count + (1 if with_mtp else 0)
+        self._num_gdn_layers = gdn_count
+
+    @classmethod
+    def from_source(
+        cls,
+        source: WeightSource,
+        config: dict[str, Any],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Qwen3_5ForCausalLM:
+        """Build on the meta device, then fill every parameter from `source` by logical name."""
+        parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
+        with torch.device("meta"):
+            model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device)
+        state = {
+            name: source.tensor(logical_name(name), dtype=dtype).to(device=device, dtype=dtype)
+            for name, _ in model.named_parameters()
+        }
+        model.load_state_dict(state, assign=True, strict=True)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def cache_spec(self) -> CacheSpec:
+        c = self.config
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        return CacheSpec(
+            num_attention_layers=self._num_attention_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            num_gdn_layers=self._num_gdn_layers,
+            gdn_heads=c.linear_num_value_heads,
+            gdn_key_dim=c.linear_key_head_dim,
+            gdn_value_dim=c.linear_value_head_dim,
+            conv_dim=2 * key_dim + c.linear_num_value_heads * c.linear_value_head_dim,
+            conv_kernel=c.conv_kernel,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] (positions may be [3, T] for M-RoPE). Returns the hidden
+        states after the final norm, [T, H]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, self.rotary, cos, sin, ctx)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    is_moe = True
+
+
+def logical_name(param_name: str) -> str:
+    """Module parameter name -> logical tensor name (`<component>/<name>`)."""
+    if param_name.startswith("mtp."):
+        return "mtp/" + param_name.removeprefix("mtp.")
+    return "text/" + param_name
