@@ -1,0 +1,77 @@
+"""`ninfer inspect`: print an artifact's summary, objects, bindings or raw JSON; verify checksums."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help=".ninfer artifact")
+    parser.add_argument("--objects", action="store_true", help="list every object")
+    parser.add_argument(
+        "--bindings", action="store_true", help="list logical name -> object bindings"
+    )
+    parser.add_argument("--json", action="store_true", help="print the header JSON")
+    parser.add_argument(
+        "--verify", action="store_true", help="check sizes and every object's xxh64 checksum"
+    )
+
+
+def _summary(artifact) -> list[str]:
+    container = artifact.container
+    root = container.root
+    lines = [f"file       {container.path}", f"id         {container.artifact_id.hex()}"]
+    if root.get("metadata", {}).get("name"):
+        lines.append(f"name       {root['metadata']['name']}")
+    lines.append(f"files      {len(container.files)} ({container.payload_bytes:,} payload bytes)")
+    for component, spec in root["components"].items():
+        config = spec.get("config", {})
+        text = config.get("text_config", config)
+        desc = f"{config.get('model_type', '?')}"
+        if "num_hidden_layers" in text:
+            desc += f", {text['num_hidden_layers']} layers, hidden {text.get('hidden_size')}"
+        if spec.get("target"):
+            desc += f", target {spec['target']}"
+        lines.append(f"component  {component}: {desc}")
+        roles = sorted(spec.get("resources", {}))
+        if roles:
+            lines.append(f"resources  {component}: {', '.join(roles)}")
+    formats: dict[str, list[int]] = {}
+    for obj in root["objects"]:
+        key = obj.get("format", "resource")
+        count_bytes = formats.setdefault(key, [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += obj["bytes"]
+    lines.append(f"objects    {len(root['objects'])}, bindings {len(root['bindings'])}")
+    for key, (count, nbytes) in sorted(formats.items()):
+        lines.append(f"  {key:<22} {count:>6} objects {nbytes:>16,} bytes")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from ninfer.artifact import Artifact
+
+    artifact = Artifact.open(args.file)
+    root = artifact.root
+    if args.json:
+        print(json.dumps(root, indent=2))
+    else:
+        print("\n".join(_summary(artifact)))
+    if args.objects:
+        for obj in root["objects"]:
+            if obj["kind"] == "tensor":
+                what = f"{obj['format']:<20} {str(obj['shape']):<20}"
+            else:
+                what = f"{'resource':<20} {'':<20}"
+            print(f"{obj['offset']:>14} {obj['bytes']:>12} {what} {obj['id']}")
+    if args.bindings:
+        for name, binding in root["bindings"].items():
+            target = binding.get("object") or ", ".join(
+                f"{p['object']}[{p['range'][0]}:{p['range'][1]}]" for p in binding["parts"]
+            )
+            print(f"{name} -> {target}")
+    if args.verify:
+        checked = artifact.verify()
+        print(f"verified {checked} objects: checksums match")
+    return 0

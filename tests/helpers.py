@@ -1,0 +1,60 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints (written by transformers'
+save_pretrained through tools/make_tiny_checkpoint.py) and their conversion to `.ninfer`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_tool():
+    name = "ninfer_tools_make_tiny_checkpoint"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO_ROOT / "tools" / "make_tiny_checkpoint.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def make_tiny_checkpoint(out_dir: str | Path, **options) -> Path:
+    """A tiny random Qwen3.5 checkpoint directory. Options: moe, mtp, tie, multimodal, layers,
+    hidden, vocab, experts, full_attention_interval, seed, dtype, max_shard_size, tokenizer."""
+    return _load_tool().make_tiny_checkpoint(out_dir, **options)
+
+
+def convert_tiny(
+    tmp_path: Path, *, weights: str = "bf16", components=None, max_file_bytes=None, **options
+):
+    """Make a tiny checkpoint under tmp_path and convert it; returns (checkpoint_dir, artifact_path)."""
+    from ninfer.artifact.convert import convert
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "hf", **options)
+    out = tmp_path / "model.ninfer"
+    kwargs = {"max_file_bytes": max_file_bytes} if max_file_bytes else {}
+    recipe = "qwen3_5_moe" if options.get("moe") else "qwen3_5"
+    convert(
+        checkpoint,
+        recipe,
+        out,
+        weights=weights,
+        components=components,
+        on_warning=lambda _: None,
+        **kwargs,
+    )
+    return checkpoint, out
+
+
+def load_checkpoint_tensors(checkpoint_dir: Path) -> dict:
+    """Every tensor of a checkpoint directory, by its checkpoint key."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
