@@ -58,3 +58,7 @@ class EngineClosed(NinferError):
 
 class ConfigError(NinferError):
     """An engine or command setting is out of range or inconsistent with another."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (a bug or a device failure, not bad input)."""

@@ -1,0 +1,1 @@
+"""The engine: request queue, scheduler, pools, model runner and sampler behind `Engine`."""

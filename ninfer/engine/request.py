@@ -168,7 +168,7 @@ class TokenEvent:
     `token_ids` are the new ids; `reasoning` and `content` the new text on each channel (empty
     when the request does not detokenize). The last event of a request has `finish_reason`,
     `usage` and `timings`; `stop_reason` is the stop string or token id that ended it, and
-    `error` a message when `finish_reason == "error"`.
+    `error` the typed exception when `finish_reason == "error"` (request handles raise it).
     """
 
     request_id: str
@@ -180,7 +180,7 @@ class TokenEvent:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     timings: Timings | None = None
-    error: str | None = None
+    error: Exception | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,224 @@
+"""`EngineCore`: the single-threaded step loop. Each `step()` applies pending aborts and queue
+deadlines, lets the scheduler admit and plan one unit, runs it, and turns the sampled tokens
+into `TokenEvent`s (text through the chat layer's output decoder, stops, usage, timings).
+`Engine` drives it from its thread; tests drive it directly, step by step."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Collection
+
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.kv_pool import ModelCache
+from ninfer.engine.request import FinishReason, GenerationRequest, TokenEvent, Usage
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.sampler import Sampler
+from ninfer.engine.scheduler import ScheduledBatch, Scheduler
+from ninfer.engine.sequence import Sequence, Status
+from ninfer.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    InvalidRequestError,
+    QueueTimeout,
+)
+
+EventSink = Callable[[TokenEvent], None]
+
+
+class EngineCore:
+    """Owns the scheduler, the runner and every live `Sequence`; not thread-safe."""
+
+    def __init__(
+        self,
+        model,
+        cache: ModelCache,
+        config: EngineConfig,
+        *,
+        vocab_size: int,
+        eos_token_ids: Collection[int] = (),
+        frontend=None,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.frontend = frontend  # ninfer.chat.ChatFrontend, None for ids-only models
+        self.sampler = Sampler(vocab_size, cache.num_slots, cache_device(cache))
+        self.runner = ModelRunner(model, cache, self.sampler)
+        self.scheduler = Scheduler(
+            cache, max_concurrency=config.max_concurrency, prefill_chunk=config.prefill_chunk
+        )
+        self.sequences: dict[str, Sequence] = {}
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def effective_max_tokens(self, request: GenerationRequest) -> int:
+        """The output limit after defaults; raises `ContextLengthExceeded` when prompt plus
+        output cannot fit `max_context`."""
+        prompt_len = len(request.prompt_ids)
+        room = self.config.max_context - prompt_len
+        asked = request.params.max_tokens
+        if asked is not None:
+            if asked > room:
+                raise ContextLengthExceeded(prompt_len, asked, self.config.max_context)
+            return asked
+        if room < 1:
+            raise ContextLengthExceeded(prompt_len, 1, self.config.max_context)
+        default = self.config.default_max_tokens
+        return room if default is None else min(default, room)
+
+    def validate(self, request: GenerationRequest) -> int:
+        """Checks that need no engine state (safe from any thread); returns max_tokens."""
+        if not request.prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        request.params.validate(self.vocab_size)
+        return self.effective_max_tokens(request)
+
+    def add(self, request: GenerationRequest, sink: EventSink) -> Sequence:
+        if request.request_id in self.sequences:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        max_tokens = self.validate(request)
+        params = request.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        decoder = None
+        if request.detokenize and self.frontend is not None:
+            decoder = self.frontend.decoder(
+                request.starts_in_reasoning,
+                stop=params.stop,
+                reasoning_stop=params.reasoning_stop,
+                stop_token_ids=stop_ids,
+            )
+        seq = Sequence(
+            request=request,
+            max_tokens=max_tokens,
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            stop_token_ids=frozenset(stop_ids),
+            sink=sink,
+            decoder=decoder,
+        )
+        self.scheduler.add(seq)
+        self.sequences[seq.request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Mark for cancellation; it takes effect at the next step boundary."""
+        seq = self.sequences.get(request_id)
+        if seq is not None:
+            seq.abort_requested = True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one unit of work; False when there was nothing to run."""
+        now = time.perf_counter()
+        for seq in list(self.sequences.values()):
+            if seq.abort_requested:
+                self._finish(seq, "abort")
+        self._expire_waiting(now)
+        batch = self.scheduler.schedule(now)
+        if batch is None:
+            return False
+        try:
+            result = self.runner.run(batch)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            for seq in batch.seqs:
+                self._finish(seq, "error", error=EngineError(f"step failed: {exc!r}"))
+            raise
+        self.scheduler.advance(batch)
+        self._emit(batch, result.token_ids, result.logprobs, time.perf_counter())
+        return True
+
+    def _expire_waiting(self, now: float) -> None:
+        timeout = self.config.pending_timeout
+        if timeout is None:
+            return
+        for seq in list(self.scheduler.waiting):
+            waited = now - seq.submitted_at
+            if waited > timeout:
+                self._finish(seq, "error", error=QueueTimeout(waited))
+
+    def _emit(self, batch: ScheduledBatch, token_ids: list[int], logprobs, now: float) -> None:
+        sampled = [seq for seq, s in zip(batch.seqs, batch.sampled) if s]
+        for seq, token_id, logprob in zip(sampled, token_ids, logprobs):
+            if not seq.output_ids:
+                seq.first_token_at = now
+            seq.output_ids.append(token_id)
+            event = TokenEvent(seq.request_id, [token_id])
+            if logprob is not None:
+                event.logprobs = [logprob]
+            stop: str | int | None = None
+            if seq.decoder is not None:
+                step = seq.decoder.push(token_id)
+                event.reasoning, event.content = step.reasoning, step.content
+                seq.reasoning_tokens = seq.decoder.reasoning_tokens
+                if step.stopped:
+                    stop = step.stop
+            elif token_id in seq.stop_token_ids:
+                stop = token_id
+            if stop is not None:
+                self._finish(seq, "stop", stop_reason=stop, event=event)
+            elif len(seq.output_ids) >= seq.max_tokens:
+                self._finish(seq, "length", event=event)
+            else:
+                seq.sink(event)
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        *,
+        stop_reason: str | int | None = None,
+        event: TokenEvent | None = None,
+        error: Exception | None = None,
+    ) -> None:
+        """Release everything `seq` holds and send its last event."""
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.release(seq)
+        del self.sequences[seq.request_id]
+        seq.finished_at = time.perf_counter()
+        seq.finish_reason = reason
+        event = event or TokenEvent(seq.request_id)
+        if seq.decoder is not None and reason != "stop":
+            tail = seq.decoder.finish()
+            event.reasoning += tail.reasoning
+            event.content += tail.content
+        event.finish_reason = reason
+        event.stop_reason = stop_reason
+        event.error = error
+        event.usage = Usage(
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=len(seq.output_ids),
+            reasoning_tokens=seq.reasoning_tokens,
+        )
+        event.timings = seq.timings()
+        seq.sink(event)
+
+    def fail_all(self, error: Exception) -> None:
+        """End every live request with `error` (engine shutdown or a fatal failure)."""
+        for seq in list(self.sequences.values()):
+            self._finish(seq, "error", error=error)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = {s.request_id for s in self.scheduler.running} | {
+            s.request_id for s in self.scheduler.waiting
+        }
+        assert live == set(self.sequences), "a sequence is tracked but not scheduled"
+
+
+def cache_device(cache: ModelCache):
+    tensors = cache.k or cache.gdn_state
+    return tensors[0].device

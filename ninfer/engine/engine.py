@@ -1,0 +1,538 @@
+"""The public engine: `Engine` (a thread that owns the model and steps `EngineCore`, fed through
+a queue), `RequestHandle` (a request's event stream) and `AsyncEngine` (the same for asyncio).
+
+Callers on any thread submit; only the engine thread touches the model, the pools and the
+scheduler. Limits are checked in the caller's thread, so `submit` raises `QueueFull`,
+`ContextLengthExceeded` or `InvalidRequestError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.core import EngineCore, EventSink
+from ninfer.engine.kv_pool import PAGE_SIZE, ModelCache
+from ninfer.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+from ninfer.errors import ConfigError, EngineClosed, NinferError, QueueFull
+
+log = logging.getLogger("ninfer.engine")
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+
+
+def shipped_model_path() -> Path:
+    """The demo model shipped in ninfer/assets/ (used when no model is given)."""
+    found = sorted(ASSETS_DIR.glob("*.ninfer")) if ASSETS_DIR.is_dir() else []
+    if not found:
+        raise NinferError(
+            f"no model given and no shipped model in {ASSETS_DIR}; pass a .ninfer file"
+        )
+    return found[0]
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request, all events folded together."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    content: str = ""
+    reasoning: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content
+
+    def add(self, event: TokenEvent) -> None:
+        self.token_ids += event.token_ids
+        self.content += event.content
+        self.reasoning += event.reasoning
+        if event.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + event.logprobs
+        if event.finished:
+            self.finish_reason = event.finish_reason
+            self.stop_reason = event.stop_reason
+            self.usage = event.usage
+            self.timings = event.timings
+
+
+class RequestHandle:
+    """Iterate for the request's `TokenEvent`s (the last one has `finish_reason`); a failed
+    request raises its typed error from the iteration. `abort()` cancels at the next step."""
+
+    def __init__(self, engine: Engine, request_id: str) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self.finished = False
+
+    def _put(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while not self.finished:
+            event = self._events.get()
+            if event.finished:
+                self.finished = True
+                if event.error is not None:
+                    raise event.error
+            yield event
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    def result(self) -> Completion:
+        """Wait for the end and return everything generated."""
+        completion = Completion(self.request_id)
+        for event in self:
+            completion.add(event)
+        return completion
+
+
+class Engine:
+    """Generates tokens for many requests at once on one device.
+
+    `Engine(path, config)` loads a `.ninfer` artifact (the shipped model when `path` is None);
+    keyword arguments override fields of `config`. Use as a context manager, or `close()`.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        config: EngineConfig | None = None,
+        **overrides: Any,
+    ) -> None:
+        config = _with_overrides(config, overrides)
+        path = Path(model) if model is not None else shipped_model_path()
+        core = load_core(path, config)
+        self._start(core)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        *,
+        frontend: Any = None,
+        eos_token_ids: Sequence[int] = (),
+        **overrides: Any,
+    ) -> Engine:
+        """An engine over an already loaded model (`ninfer.models.registry.load_model`)."""
+        config = _with_overrides(config, overrides)
+        engine = cls.__new__(cls)
+        engine._start(build_core(model, config, frontend=frontend, eos_token_ids=eos_token_ids))
+        return engine
+
+    def _start(self, core: EngineCore) -> None:
+        self.core = core
+        self.config = core.config
+        self.frontend = core.frontend
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The chat layer's tokenizer (None for an artifact without one)."""
+        return None if self.frontend is None else self.frontend.tokenizer
+
+    def submit(self, request: GenerationRequest, sink: EventSink | None = None) -> RequestHandle:
+        """Queue a request. Events go to the returned handle, or to `sink` (called on the
+        engine thread; it must not block) when given."""
+        self.core.validate(request)
+        handle = RequestHandle(self, request.request_id)
+        deliver = handle._put if sink is None else sink
+        limit = self.config.max_concurrency + self.config.max_pending_requests
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            if self._live >= limit:
+                raise QueueFull(self.config.max_pending_requests)
+            self._live += 1
+        self._inbox.put(("add", (request, self._counted(deliver))))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | None = None,
+    ) -> Completion | list[Completion]:
+        """Complete one prompt (text or token ids) or a list of them, run together (more than
+        the queue holds are fed in as earlier ones finish). Text is tokenized as is, with no
+        chat template; see `chat` for conversations."""
+        single = isinstance(prompts, str) or all(isinstance(t, int) for t in prompts)
+        batch = [prompts] if single else list(prompts)
+        handles: list[RequestHandle] = []
+        results: dict[int, Completion] = {}
+        for prompt in batch:
+            request = GenerationRequest(self._ids(prompt), params or SamplingParams())
+            while True:
+                try:
+                    handles.append(self.submit(request))
+                    break
+                except QueueFull:
+                    oldest = next(i for i in range(len(handles)) if i not in results)
+                    results[oldest] = handles[oldest].result()
+        for i, handle in enumerate(handles):
+            if i not in results:
+                results[i] = handle.result()
+        completions = [results[i] for i in range(len(handles))]
+        return completions[0] if single else completions
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
+        reasoning_effort: str | None = None,
+    ) -> Completion:
+        """Render `messages` with the model's chat template and complete them: `content` is
+        the answer, `reasoning` the thinking text."""
+        return self.submit(
+            self.chat_request(messages, params, tools, enable_thinking, reasoning_effort)
+        ).result()
+
+    def chat_request(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
+        reasoning_effort: str | None = None,
+    ) -> GenerationRequest:
+        """The `GenerationRequest` for a conversation (template, thinking mode, presets)."""
+        if self.frontend is None:
+            raise NinferError("the model has no tokenizer; send token ids instead")
+        prompt = self.frontend.render(
+            messages,
+            tools=tools,
+            enable_thinking=enable_thinking,
+            reasoning_effort=reasoning_effort,
+        )
+        return GenerationRequest(
+            prompt.token_ids,
+            params or self.default_params(prompt.enable_thinking),
+            starts_in_reasoning=prompt.starts_in_reasoning,
+        )
+
+    def default_params(self, thinking: bool = True) -> SamplingParams:
+        """The model's sampling preset for the thinking mode (neutral without one)."""
+        if self.frontend is None:
+            return SamplingParams()
+        from ninfer.chat.presets import NEUTRAL
+
+        preset = self.frontend.sampling_preset(thinking).over(NEUTRAL)
+        return SamplingParams(
+            temperature=preset.temperature,
+            top_p=preset.top_p,
+            top_k=preset.top_k,
+            min_p=preset.min_p,
+            presence_penalty=preset.presence_penalty,
+            frequency_penalty=preset.frequency_penalty,
+            seed=preset.seed,
+        )
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still running end with `EngineClosed`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inbox.put(("close", None))
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise NinferError("the model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _counted(self, deliver: EventSink) -> EventSink:
+        def sink(event: TokenEvent) -> None:
+            if event.finished:
+                with self._lock:
+                    self._live -= 1
+            deliver(event)
+
+        return sink
+
+    def _loop(self) -> None:
+        core = self.core
+        try:
+            while True:
+                command = self._inbox.get() if not core.has_work else self._poll()
+                while command is not None:
+                    kind, payload = command
+                    if kind == "close":
+                        core.fail_all(EngineClosed("the engine was closed"))
+                        return
+                    if kind == "add":
+                        self._add(*payload)
+                    elif kind == "abort":
+                        core.abort(payload)
+                    command = self._poll()
+                try:
+                    core.step()
+                except Exception:
+                    log.exception("engine step failed; its requests were ended with an error")
+        except BaseException as exc:  # a bug in the loop itself: fail everything, refuse more
+            log.exception("engine thread died")
+            with self._lock:
+                self._closed = True
+            core.fail_all(EngineClosed(f"the engine thread died: {exc!r}"))
+            raise
+
+    def _poll(self) -> tuple[str, Any] | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _add(self, request: GenerationRequest, sink: EventSink) -> None:
+        try:
+            self.core.add(request, sink)
+        except NinferError as exc:  # e.g. a duplicate request id
+            sink(TokenEvent(request.request_id, finish_reason="error", error=exc))
+
+
+class AsyncRequestStream:
+    """Async iterator over one request's events; cancels the request when the consumer stops
+    early (a closed client connection, a cancelled task)."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(event: TokenEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(self._events.put_nowait, event)
+            except RuntimeError:  # the loop is closed; nobody is listening any more
+                pass
+
+        self.request_id = request.request_id
+        self._engine = engine
+        self._handle = engine.submit(request, sink=sink)
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenEvent]:
+        try:
+            while not self.finished:
+                event = await self._events.get()
+                if event.finished:
+                    self.finished = True
+                    if event.error is not None:
+                        raise event.error
+                yield event
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    async def result(self) -> Completion:
+        completion = Completion(self.request_id)
+        async for event in self:
+            completion.add(event)
+        return completion
+
+
+class AsyncEngine:
+    """asyncio front of an `Engine`: `async for event in engine.generate(request)`.
+
+    `submit` raises the typed admission errors at once; `generate` raises them at the first
+    iteration. Leaving the loop early cancels the request.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        config: EngineConfig | None = None,
+        *,
+        engine: Engine | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.engine = engine if engine is not None else Engine(model, config, **overrides)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def frontend(self):
+        return self.engine.frontend
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def submit(self, request: GenerationRequest) -> AsyncRequestStream:
+        """Queue `request` (from inside a running event loop) and return its event stream."""
+        return AsyncRequestStream(self.engine, request)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        async for event in self.submit(request):
+            yield event
+
+    async def complete(self, request: GenerationRequest) -> Completion:
+        return await self.submit(request).result()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.engine.close)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def _with_overrides(config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
+    if config is None:
+        return EngineConfig(**overrides)
+    if not overrides:
+        return config
+    from dataclasses import replace
+
+    return replace(config, **overrides)
+
+
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    name = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but no CUDA device is available")
+    dtype_name = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, dtype_name)
+
+
+def load_core(path: Path, config: EngineConfig) -> EngineCore:
+    """Open the artifact, load the model, its tokenizer and chat template, size the pools."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.registry import load_model
+
+    if not path.is_file():
+        raise NinferError(f"model file not found: {path}")
+    device, dtype = resolve_device(config)
+    artifact = Artifact.open(path)
+    model = load_model(artifact, artifact.config(), device=device, dtype=dtype)
+    frontend = None
+    if artifact.resource("tokenizer") is not None:
+        from ninfer.chat.frontend import ChatFrontend
+
+        frontend = ChatFrontend.from_artifact(artifact)
+    eos = frontend.stop_token_ids if frontend is not None else artifact_eos_ids(artifact)
+    return build_core(model, config, frontend=frontend, eos_token_ids=eos)
+
+
+def artifact_eos_ids(artifact: Any) -> tuple[int, ...]:
+    """Stop ids of an artifact without a tokenizer: generation_config, else config.json."""
+    import json
+
+    raw = artifact.resource("generation_config")
+    value = json.loads(raw).get("eos_token_id") if raw else None
+    if value is None:
+        config = artifact.config()
+        value = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def build_core(
+    model: torch.nn.Module,
+    config: EngineConfig,
+    *,
+    frontend: Any = None,
+    eos_token_ids: Sequence[int] = (),
+) -> EngineCore:
+    spec = model.cache_spec()
+    device, dtype = model.device, model.dtype
+    num_pages = pool_pages(config, spec.page_bytes(dtype), device)
+    cache = ModelCache(spec, num_pages, config.max_concurrency, device=device, dtype=dtype)
+    log.info("KV pool: %d pages of %d tokens", num_pages, PAGE_SIZE)
+    return EngineCore(
+        model,
+        cache,
+        config,
+        vocab_size=model.config.vocab_size,
+        eos_token_ids=eos_token_ids,
+        frontend=frontend,
+    )
+
+
+def pool_pages(config: EngineConfig, page_bytes: int, device: torch.device) -> int:
+    """Pages of the shared K/V pool: `kv_capacity` tokens rounded up to pages, or for `auto`
+    the most that fit in free device memory after a headroom; never more than every lane at
+    `max_context` could use."""
+    per_request = -(-config.max_context // PAGE_SIZE)
+    most_useful = per_request * config.max_concurrency
+    if config.kv_capacity != "auto":
+        return min(-(-config.kv_capacity // PAGE_SIZE), most_useful)
+    if device.type != "cuda" or page_bytes == 0:
+        return most_useful
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = (free - config.kv_headroom_bytes) // page_bytes
+    if fit < per_request:
+        raise ConfigError(
+            f"only {max(fit, 0) * PAGE_SIZE} tokens of K/V fit in free GPU memory; one request "
+            f"of max_context {config.max_context} needs {per_request * PAGE_SIZE}"
+        )
+    return min(fit, most_useful)
