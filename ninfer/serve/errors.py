@@ -1,0 +1,138 @@
+"""HTTP errors: the one place where typed errors become a status, a code and a wire body.
+
+Two body shapes exist: OpenAI (`{"error": {message, type, param, code}}`) for Chat, Responses and
+everything else, and Anthropic (`{"type": "error", "error": {type, message}}`) for `/v1/messages*`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ninfer import errors as core_errors
+
+CLIENT_DISCONNECTED = 499
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+@dataclass(slots=True)
+class ApiError(Exception):
+    """An error with its HTTP status and OpenAI-style code; `param` names the offending field."""
+
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    type: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def openai_type(self) -> str:
+        if self.type:
+            return self.type
+        if self.status == 500:
+            return "internal_error"
+        if self.status >= 500:
+            return "server_error"
+        return "invalid_request_error"
+
+    @property
+    def anthropic_type(self) -> str:
+        if self.status >= 500:
+            return "api_error"
+        return _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+
+    def openai_body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        return self.anthropic_body() if is_anthropic_path(path) else self.openai_body()
+
+
+def invalid(message: str, code: str | None = None, param: str | None = None) -> ApiError:
+    """A 400 validation error."""
+    return ApiError(400, message, code=code, param=param)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def bad_json(detail: str) -> ApiError:
+    return ApiError(400, f"request body is not valid JSON: {detail}")
+
+
+def request_too_large(limit_bytes: int) -> ApiError:
+    return ApiError(
+        413,
+        f"request body exceeds the limit of {limit_bytes} bytes",
+        code="request_too_large",
+    )
+
+
+def invalid_api_key() -> ApiError:
+    return ApiError(401, "missing or invalid API key", code="invalid_api_key")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404, f"the model '{model}' does not exist", code="model_not_found", param="model"
+    )
+
+
+def client_disconnected() -> ApiError:
+    return ApiError(
+        CLIENT_DISCONNECTED, "client disconnected before completion", code="client_disconnected"
+    )
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """Map any exception raised while serving a request to its ApiError."""
+    if isinstance(exc, ApiError):
+        return exc
+    name = type(exc).__name__
+    # Engine errors are typed in ninfer.errors; matched by class so that this module does not
+    # need to change when the engine adds a field to one of them.
+    context_cls = getattr(core_errors, "ContextLengthExceeded", None)
+    queue_full_cls = getattr(core_errors, "QueueFull", None)
+    queue_timeout_cls = getattr(core_errors, "QueueTimeout", None)
+    if context_cls is not None and isinstance(exc, context_cls):
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+    if queue_full_cls is not None and isinstance(exc, queue_full_cls):
+        return ApiError(429, str(exc) or "no free active or pending slot", code="server_overloaded")
+    if queue_timeout_cls is not None and isinstance(exc, queue_timeout_cls):
+        return ApiError(503, str(exc) or "pending deadline expired", code="request_queue_timeout")
+    if isinstance(exc, core_errors.NinferError):
+        return ApiError(400, str(exc))
+    return ApiError(500, f"internal error ({name})", code="internal_error")
+
+
+def sse_error_event(err: ApiError, *, anthropic: bool) -> bytes:
+    """The frame that reports an error after a stream has started (Chat or Anthropic)."""
+    if anthropic:
+        return b"event: error\ndata: " + _dumps(err.anthropic_body()) + b"\n\n"
+    return b"data: " + _dumps(err.openai_body()) + b"\n\n"
+
+
+def _dumps(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
