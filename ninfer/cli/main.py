@@ -13,11 +13,17 @@ from ninfer.errors import NinferError
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("ninfer.cli.convert", "convert a Hugging Face checkpoint into a .ninfer artifact"),
     "inspect": ("ninfer.cli.inspect", "print or verify a .ninfer artifact"),
+    "serve": (
+        "ninfer.cli.serve",
+        "HTTP server: OpenAI Chat Completions and Responses, Anthropic Messages",
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ninfer", description="Inference engine for Qwen3.5 models.")
+    parser = argparse.ArgumentParser(
+        prog="ninfer", description="Inference engine for Qwen3.5 models."
+    )
     from ninfer import __version__
 
     parser.add_argument("--version", action="version", version=f"ninfer {__version__}")

@@ -5,9 +5,10 @@ client disconnect. Protocol details live in the adapter modules."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -236,10 +237,29 @@ async def _traced_frames(trace: RequestTrace, frames: AsyncIterator[bytes]) -> A
         await frames.aclose()
 
 
-def create_app(state: ServerState, *, on_shutdown: Callable[[], Any] | None = None) -> FastAPI:
-    app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
-    if on_shutdown is not None:
-        app.router.on_shutdown.append(on_shutdown)
+def create_app(
+    state: ServerState,
+    *,
+    background: Sequence[Callable[[], Awaitable]] = (),
+    on_shutdown: Callable[[], Awaitable] | None = None,
+) -> FastAPI:
+    """The app. `background` coroutines run while it serves; `on_shutdown` runs at exit."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks = [asyncio.create_task(make()) for make in background]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    app = FastAPI(
+        title="ninfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.ninfer = state
     info = state.info
 

@@ -4,7 +4,7 @@ prompt, sampling precedence and limits are the same for Chat, Responses and Anth
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,19 +22,22 @@ from ninfer.serve.request import ChatRequest
 _TOP_P_FLOOR = 1e-9
 
 
-class AsyncGenerator(Protocol):
-    """What the service needs from `ninfer.engine.AsyncEngine`."""
+class AsyncSubmitter(Protocol):
+    """What the service needs from `ninfer.engine.AsyncEngine`: `submit` raises the typed
+    admission errors (`QueueFull`, `ContextLengthExceeded`, ...) at once and returns the event
+    stream, which aborts the request when its consumer stops early."""
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+    def submit(self, request: GenerationRequest) -> AsyncIterable[TokenEvent]: ...
 
 
 @dataclass(slots=True)
 class Generation:
-    """One admitted-to-be request: its prompt and engine request, ready to stream."""
+    """One submitted request: its prompt, engine request and engine event stream."""
 
     request: ChatRequest
     prompt: ChatPrompt
     engine_request: GenerationRequest
+    events: AsyncIterable[TokenEvent]
 
     @property
     def prompt_tokens(self) -> int:
@@ -44,7 +47,7 @@ class Generation:
 class GenerationService:
     def __init__(
         self,
-        engine: AsyncGenerator,
+        engine: AsyncSubmitter,
         frontend: ChatFrontend,
         *,
         max_context: int,
@@ -100,6 +103,8 @@ class GenerationService:
         )
 
     def prepare(self, request: ChatRequest, request_id: str) -> Generation:
+        """Render, resolve sampling and submit; admission errors are raised here, before any
+        response is sent."""
         prompt = self.render(request)
         params = self.sampling_params(request, prompt.enable_thinking, len(prompt.token_ids))
         engine_request = GenerationRequest(
@@ -108,11 +113,12 @@ class GenerationService:
             request_id=request_id,
             starts_in_reasoning=prompt.starts_in_reasoning,
         )
-        return Generation(request, prompt, engine_request)
+        events = self.engine.submit(engine_request)
+        return Generation(request, prompt, engine_request, events)
 
     async def outputs(self, generation: Generation) -> AsyncIterator[TextDelta | Completion]:
         """The output stream; closing it (or cancelling its consumer) aborts the request."""
-        events = self.engine.generate(generation.engine_request)
+        events = aiter(generation.events)
         try:
             async for item in output_stream(
                 events,

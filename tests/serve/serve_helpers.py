@@ -27,10 +27,13 @@ class ScriptedEngine:
     requests: list[GenerationRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
 
-    async def generate(self, request: GenerationRequest):
+    def submit(self, request: GenerationRequest):
         self.requests.append(request)
         if self.error is not None:
             raise self.error
+        return self._play(request)
+
+    async def _play(self, request: GenerationRequest):
         finished = False
         reasoning_tokens = 0
         try:
