@@ -175,8 +175,10 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write the checkpoint into `out_dir` (created; must be empty) and return its path."""
     import torch
+    import transformers
     from safetensors.torch import load_file, save_file
 
+    transformers.utils.logging.disable_progress_bar()
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise SystemExit(f"{out_dir}: not empty; choose a new directory")
