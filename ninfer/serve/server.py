@@ -134,9 +134,9 @@ async def _log_stats(state, interval_s: float) -> None:
         last_prompt, last_gen, last = prompt, gen, now
 
 
-def serve(settings: ServeSettings, argv: list[str]) -> int:
-    import uvicorn
-
+def build_app(settings: ServeSettings, argv: list[str]):
+    """(app, state, engine): the engine is started; closing it is the caller's job (the app
+    closes it at shutdown)."""
     from ninfer.engine.engine import AsyncEngine, shipped_model_path
     from ninfer.serve.app import create_app
 
@@ -152,6 +152,13 @@ def serve(settings: ServeSettings, argv: list[str]) -> int:
         interval = settings.log_stats_interval_ms / 1000.0
         background.append(lambda: _log_stats(state, interval))
     app = create_app(state, background=background, on_shutdown=engine.aclose)
+    return app, state, engine
+
+
+def serve(settings: ServeSettings, argv: list[str]) -> int:
+    import uvicorn
+
+    app, state, engine = build_app(settings, argv)
     if not settings.is_loopback:
         print(
             f"ninfer serve: listening on {settings.host}, reachable beyond this machine"
