@@ -520,6 +520,8 @@ def _map(path: Path) -> tuple[torch.Tensor, memoryview]:
         raise ArtifactError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ArtifactError(f"{path}: is a directory, not a .ninfer file") from None
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: cannot be read ({exc})") from None
     return torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping)
 
 

@@ -9,6 +9,17 @@ from ninfer.errors import ConversionError
 WEIGHT_PROFILES = ("bf16", "fp32", "groupwise-int")
 
 
+def _byte_count(text: str) -> int:
+    """An integer byte count; `32e9` style is accepted."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole byte count: {text!r}")
+    return int(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -46,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-file-bytes",
-        type=int,
+        type=_byte_count,
         default=32_000_000_000,
         help="largest file size; more goes to .part-NNNN files",
     )

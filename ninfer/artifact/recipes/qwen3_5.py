@@ -61,11 +61,7 @@ class Qwen3_5Recipe:
             return "fp32"
         if profile == "bf16":
             return "bf16"
-        is_matrix = (
-            len(shape) >= 2
-            and not local.endswith("conv1d.weight")
-            and "norm" not in local.rsplit(".", 2)[-2]
-        )
+        is_matrix = len(shape) >= 2 and not local.endswith("conv1d.weight")
         if not is_matrix or local.endswith(BF16_LINEARS):
             return "bf16"
         if local in ("embed_tokens.weight", "lm_head.weight"):
