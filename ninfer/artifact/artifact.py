@@ -101,7 +101,8 @@ class Artifact:
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The logical tensor: a zero-copy view for plain formats, dequantized (fp32 unless
-        `dtype` says otherwise) for quantized ones."""
+        `dtype` says otherwise) for quantized ones. Views share one copy-on-write mapping:
+        modifying one in place changes what later calls return (never the file), so copy first."""
         binding = self._binding(name)
         if "object" in binding:
             return self._encoded_object(binding["object"]).decode(dtype)
