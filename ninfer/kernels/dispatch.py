@@ -1,0 +1,84 @@
+"""One entry point per kernel: CUDA tensors (with Triton present) go to the Triton kernel, the
+rest to the torch reference, which is also the CPU path. Triton modules are imported on first
+use, so CPU-only installs never import Triton."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.kernels import causal_conv1d as conv_reference
+from ninfer.kernels import gdn_recurrent as gdn_reference
+from ninfer.kernels import groupwise_gemv as gemv_reference
+from ninfer.kernels import paged_attention as attention_reference
+from ninfer.kernels import rms_norm as norm_reference
+from ninfer.kernels.triton_support import use_triton
+from ninfer.quant import EncodedTensor
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    if use_triton(q, k_cache) and q.dtype in _HALF and k_cache.dtype == q.dtype:
+        from ninfer.kernels import paged_attention_triton
+
+        return paged_attention_triton.paged_attention_decode(
+            q, k_cache, v_cache, page_table, seq_lens, scale, max_seq_len
+        )
+    return attention_reference.paged_attention_decode(
+        q, k_cache, v_cache, page_table, seq_lens, scale
+    )
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    module = gdn_reference
+    if use_triton(q, states):
+        from ninfer.kernels import gdn_recurrent_triton as module
+    return module.recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    module = conv_reference
+    if use_triton(x, conv_windows):
+        from ninfer.kernels import causal_conv1d_triton as module
+    return module.causal_conv1d(x, weight, conv_windows, state_slots, query_start)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
+    module = norm_reference
+    if use_triton(x):
+        from ninfer.kernels import rms_norm_triton as module
+    return module.rms_norm(x, weight, eps, residual)
+
+
+def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    if use_triton(x) and x.dtype in _HALF:
+        from ninfer.kernels import groupwise_gemv_triton
+
+        if weight.format in groupwise_gemv_triton.SUPPORTED:
+            return groupwise_gemv_triton.groupwise_linear(x, weight)
+    return gemv_reference.groupwise_linear(x, weight)

@@ -1,0 +1,151 @@
+"""Random inputs for the kernel tests, shared by the interpreter tests (tests/kernels) and the
+GPU tests (tests/gpu): each case builds fresh inputs, and `check_*` runs a kernel implementation
+and the torch reference on copies of them and compares outputs and in-place state."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels import causal_conv1d as conv_reference
+from ninfer.kernels import gdn_recurrent as gdn_reference
+from ninfer.kernels import groupwise_gemv as gemv_reference
+from ninfer.kernels import paged_attention as attention_reference
+from ninfer.kernels import rms_norm as norm_reference
+from ninfer.quant import get_format
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values in the kernel output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def query_start_of(query_lens: list[int], device) -> torch.Tensor:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def check_paged_attention(
+    module,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """Sequences on scattered pages of a pool larger than they need; max_seq_len both given and
+    read from the device."""
+    pages_each = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seq_lens]
+    num_pages = sum(pages_each) + 3
+    k_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    order = torch.randperm(num_pages).tolist()
+    page_table = torch.full((len(seq_lens), max(pages_each) + 1), -1, dtype=torch.int32)
+    for i, count in enumerate(pages_each):
+        page_table[i, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    page_table = page_table.to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim**-0.5
+    ref = attention_reference.paged_attention_decode(q, k_cache, v_cache, page_table, lens, scale)
+    for max_seq_len in (max(seq_lens), None):
+        out = module.paged_attention_decode(
+            q, k_cache, v_cache, page_table, lens, scale, max_seq_len
+        )
+        assert out.dtype == q.dtype and out.shape == q.shape
+        assert relative_error(out, ref) < tol
+
+
+def check_gdn_recurrent(
+    module,
+    query_lens: list[int],
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """Sequences in shuffled slots of a larger pool; untouched slots must stay as they were."""
+    tokens = sum(query_lens)
+    num_slots = len(query_lens) + 2
+    q = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
+    k = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
+    v = torch.randn(tokens, num_value_heads, value_dim, device=device).to(dtype)
+    g = -torch.rand(tokens, num_value_heads, device=device) * 2  # log decay <= 0, fp32
+    beta = torch.rand(tokens, num_value_heads, device=device).to(dtype)
+    states = torch.randn(num_slots, num_value_heads, key_dim, value_dim, device=device) * 0.5
+    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
+    query_start = query_start_of(query_lens, device)
+    ref_states = states.clone()
+    ref = gdn_reference.recurrent_gated_delta_rule(q, k, v, g, beta, ref_states, slots, query_start)
+    out = module.recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
+    assert out.dtype == v.dtype and out.shape == v.shape
+    assert relative_error(out, ref) < tol
+    assert relative_error(states, ref_states) < 1e-4
+
+
+def check_causal_conv1d(
+    module,
+    query_lens: list[int],
+    channels: int,
+    width: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    tokens = sum(query_lens)
+    num_slots = len(query_lens) + 2
+    x = torch.randn(tokens, channels, device=device).to(dtype)
+    weight = (torch.randn(channels, width, device=device) / width**0.5).to(dtype)
+    windows = torch.randn(num_slots, channels, width - 1, device=device).to(dtype)
+    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
+    query_start = query_start_of(query_lens, device)
+    ref_windows = windows.clone()
+    ref = conv_reference.causal_conv1d(x, weight, ref_windows, slots, query_start)
+    out = module.causal_conv1d(x, weight, windows, slots, query_start)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert relative_error(out, ref) < tol
+    assert torch.equal(windows, ref_windows)  # the new window is a copy of inputs, exactly
+
+
+def check_rms_norm(
+    module, rows: int, dim: int, dtype: torch.dtype, device, tol: float, strided: bool
+) -> None:
+    """With and without the residual; `strided` normalises the first half of each wider row,
+    as q_norm does on the query part of q_proj's output."""
+    wide = torch.randn(rows, 2 * dim if strided else dim, device=device).to(dtype) * 3
+    x = wide[:, :dim]
+    residual = torch.randn(rows, dim, device=device).to(dtype)
+    weight = (torch.randn(dim, device=device) * 0.1).to(dtype)
+    eps = 1e-6
+    assert (
+        relative_error(module.rms_norm(x, weight, eps), norm_reference.rms_norm(x, weight, eps))
+        < tol
+    )
+    y, total = module.rms_norm(x, weight, eps, residual)
+    ref_y, ref_total = norm_reference.rms_norm(x, weight, eps, residual)
+    assert torch.equal(total, ref_total)
+    assert relative_error(y, ref_y) < tol
+
+
+def check_groupwise_linear(
+    module, format_name: str, m: int, n: int, k: int, dtype: torch.dtype, device, tol: float
+) -> None:
+    """Against the fp32 product of the dequantized weight (the reference rounds the weight to
+    the activation dtype first; the kernel does not, so fp32 is the fairer yardstick)."""
+    encoded = get_format(format_name).encode(torch.randn(n, k) * 0.05)
+    encoded.planes = {name: plane.to(device) for name, plane in encoded.planes.items()}
+    x = torch.randn(m, k, device=device).to(dtype)
+    exact = x.float() @ encoded.decode(torch.float32).T
+    out = module.groupwise_linear(x, encoded)
+    assert out.dtype == x.dtype and out.shape == (m, n)
+    assert relative_error(out, exact) < tol
+    assert relative_error(gemv_reference.groupwise_linear(x, encoded), exact) < tol

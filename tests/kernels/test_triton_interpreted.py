@@ -1,0 +1,74 @@
+"""The Triton kernels run by Triton's CPU interpreter on tiny shapes, against the torch
+references. TRITON_INTERPRET=1 must be set before Triton is first imported (its own library
+functions are kernels too), so this module sets it on a machine without CUDA and skips where
+Triton was imported earlier or a GPU is present (tests/gpu covers that). The interpreter's tl.dot is wrong for bf16 operands (seen with triton 3.9),
+so the kernels built on tl.dot are run here in fp16, and it rounds to bf16 by truncation, so the
+norm, whose residual sum must match exactly, too; the GPU tests cover bf16."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from kernel_cases import (
+    check_causal_conv1d,
+    check_gdn_recurrent,
+    check_groupwise_linear,
+    check_paged_attention,
+    check_rms_norm,
+)
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "Triton was imported before interpretation could be switched on", allow_module_level=True
+    )
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpreted():
+    def load(name: str):
+        spec = importlib.util.find_spec(f"ninfer.kernels.{name}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    torch.manual_seed(0)
+    return load
+
+
+def test_paged_decode_attention_matches_reference(interpreted):
+    module = interpreted("paged_attention_triton")
+    check_paged_attention(module, [1, 70, 200], 4, 2, 32, torch.float16, "cpu", 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_recurrent_matches_reference_and_updates_slots(interpreted, dtype):
+    module = interpreted("gdn_recurrent_triton")
+    check_gdn_recurrent(
+        module, [1, 3, 1], 2, 4, 16, 32, dtype, "cpu", 1e-5 if dtype == torch.float32 else 1e-2
+    )
+
+
+def test_causal_conv1d_prefill_and_decode_update_windows(interpreted):
+    module = interpreted("causal_conv1d_triton")
+    check_causal_conv1d(module, [1, 2, 19], 40, 4, torch.bfloat16, "cpu", 1e-2)
+    check_causal_conv1d(module, [1, 1, 1], 40, 4, torch.float32, "cpu", 1e-5)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm_with_and_without_residual(interpreted, strided):
+    module = interpreted("rms_norm_triton")
+    check_rms_norm(module, 5, 48, torch.float16, "cpu", 2e-3, strided)
+
+
+@pytest.mark.parametrize(("format_name", "k"), [("q8_g32_fp16", 200), ("q4_g64_fp16", 300)])
+def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, k):
+    module = interpreted("groupwise_gemv_triton")
+    check_groupwise_linear(module, format_name, 3, 40, k, torch.float16, "cpu", 2e-3)
