@@ -71,11 +71,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--deadline-min",
         type=float,
-        default=9.0,
+        default=8.9,
         help="wall-clock minutes from start by which everything must be written; training's "
         "cosine schedule runs over whatever time is left before it, less --reserve-s",
     )
-    p.add_argument("--reserve-s", type=float, default=75, help="time kept for the final steps")
+    p.add_argument("--reserve-s", type=float, default=80, help="time kept for the final steps")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=128)
     p.add_argument("--sample-tokens", type=int, default=200)
@@ -110,6 +110,22 @@ def gdn_kernels() -> dict[str, str]:
                 impl = f"{module}.{getattr(target, '__name__', '?')}"
         found[name] = impl
     return found
+
+
+def train_through_torch_reference_gdn():
+    """fla 0.6 refuses its chunked Gated DeltaNet backward under Triton < 3.7.1 on Hopper (wrong
+    gradients there, its issue #640), and the GPU machine's Triton is 3.6. Training therefore
+    runs transformers' torch reference of the same rule (forward and backward, chunked with a
+    triangular solve); inference keeps fla. Returns a function that restores the fla binding."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    bound = m.torch_chunk_gated_delta_rule
+    m.torch_chunk_gated_delta_rule = getattr(bound, "__wrapped__", bound)
+
+    def restore() -> None:
+        m.torch_chunk_gated_delta_rule = bound
+
+    return restore
 
 
 def environment() -> dict:
@@ -619,32 +635,43 @@ def main() -> None:
     }
     log(f"parameters {json.dumps(metrics['parameters'])}")
 
+    restore_gdn = train_through_torch_reference_gdn()
     metrics["training"] = train(args, model, mtp, streams, byte_lengths, device)
+    restore_gdn()
 
+    # The checkpoint goes out first, so a failure in what follows loses no training.
     checkpoint = args.work / "checkpoint"
     if checkpoint.exists():
         shutil.rmtree(checkpoint)
     save_checkpoint(checkpoint, model, mtp, config, tokenizer, args)
-    del model, mtp
-    model, mtp = load_checkpoint(checkpoint, device)
-    log("checkpoint saved and reloaded")
-    final = {}
-    for name in ("held_text", "held_chat"):
-        final[name] = evaluate(model, mtp, streams[name], args, byte_lengths, args.eval_windows)
-        log(f"final {name}: {json.dumps(final[name])}")
-    metrics["final_eval_bf16_weights"] = final
-    metrics["samples"] = sample_completions(model, tokenizer, args.sample_tokens, device)
-    for sample in metrics["samples"]:
-        log(f"sample [{sample['title']}]:\n{sample['completion']}")
-
-    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     archive = args.work / "checkpoint.tar"
     subprocess.run(["tar", "-cf", str(archive), "-C", str(args.work), "checkpoint"], check=True)
     subprocess.run(
         ["split", "-b", "15M", "-d", str(archive), str(args.out / "checkpoint.tar.part")],
         check=True,
     )
-    log(f"done; checkpoint {archive.stat().st_size / 2**20:.1f} MiB in {args.out}")
+    metrics_path = args.out / "metrics.json"
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    log(f"checkpoint {archive.stat().st_size / 2**20:.1f} MiB written to {args.out}")
+
+    del model, mtp
+    try:
+        model, mtp = load_checkpoint(checkpoint, device)
+        log("checkpoint reloaded")
+        final = {}
+        for name in ("held_text", "held_chat"):
+            final[name] = evaluate(model, mtp, streams[name], args, byte_lengths, args.eval_windows)
+            log(f"final {name}: {json.dumps(final[name])}")
+        metrics["final_eval_bf16_weights"] = final
+        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+        metrics["samples"] = sample_completions(model, tokenizer, args.sample_tokens, device)
+        for sample in metrics["samples"]:
+            log(f"sample [{sample['title']}]:\n{sample['completion']}")
+    except Exception as exc:  # keep what was measured so far
+        metrics["final_error"] = repr(exc)
+        log(f"final evaluation failed: {exc!r}")
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    log("done")
 
 
 if __name__ == "__main__":
