@@ -13,6 +13,7 @@ from ninfer.errors import NinferError
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("ninfer.cli.convert", "convert a Hugging Face checkpoint into a .ninfer artifact"),
     "inspect": ("ninfer.cli.inspect", "print or verify a .ninfer artifact"),
+    "run": ("ninfer.cli.run", "run one request: answer on stdout, reasoning and timings on stderr"),
     "serve": (
         "ninfer.cli.serve",
         "HTTP server: OpenAI Chat Completions and Responses, Anthropic Messages",
