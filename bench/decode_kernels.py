@@ -1,0 +1,184 @@
+"""Achieved bandwidth of the Triton decode kernels against a device-to-device copy measured in
+the same run, at the Qwen3.5-27B shapes (random inputs; GPU only).
+
+    python bench/decode_kernels.py [--json PATH]
+
+Each row: the kernel's median time (triton.testing.do_bench), the bytes it must move (every
+input read once, every output written once), their ratio in GB/s and that over the copy rate.
+Inputs are rotated over several sets larger than the L2 where a single set would fit in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels import (
+    causal_conv1d_triton,
+    gdn_recurrent_triton,
+    groupwise_gemv_triton,
+    paged_attention_triton,
+    rms_norm_triton,
+)
+from ninfer.quant import get_format
+
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+# Qwen3.5-27B
+HIDDEN, INTERMEDIATE = 5120, 17408
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
+GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_DIM, CONV_KERNEL = 16, 48, 128, 4
+CONV_DIM = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_VALUE_HEADS * GDN_DIM
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def rotating(calls):
+    state = {"i": 0}
+
+    def run():
+        calls[state["i"] % len(calls)]()
+        state["i"] += 1
+
+    return run
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus bytes written per second by a 2 GiB device copy."""
+    src = torch.randn(2**29, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def bench_attention(batch: int, context: int):
+    pages_each = math.ceil(context / PAGE_SIZE)
+    num_pages = batch * pages_each
+    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn(shape, device=DEVICE, dtype=BF16)
+    page_table = torch.randperm(num_pages, device=DEVICE).to(torch.int32).view(batch, pages_each)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=BF16)
+    fn = lambda: paged_attention_triton.paged_attention_decode(
+        q, k_cache, v_cache, page_table, seq_lens, HEAD_DIM**-0.5, context
+    )
+    moved = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * q.numel() * 2
+    return f"paged attention B={batch} ctx={context}", median_ms(fn), moved
+
+
+def bench_gdn(batch: int):
+    sets = max(1, math.ceil(256e6 / (batch * GDN_VALUE_HEADS * GDN_DIM * GDN_DIM * 4)))
+    states = torch.randn(sets * batch, GDN_VALUE_HEADS, GDN_DIM, GDN_DIM, device=DEVICE)
+    q = torch.randn(batch, GDN_KEY_HEADS, GDN_DIM, device=DEVICE, dtype=BF16)
+    k = torch.randn_like(q)
+    v = torch.randn(batch, GDN_VALUE_HEADS, GDN_DIM, device=DEVICE, dtype=BF16)
+    g = -torch.rand(batch, GDN_VALUE_HEADS, device=DEVICE)
+    beta = torch.rand(batch, GDN_VALUE_HEADS, device=DEVICE, dtype=BF16)
+    query_start = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    slot_sets = torch.randperm(sets * batch, device=DEVICE).to(torch.int32).view(sets, batch)
+    calls = [
+        (
+            lambda slots=slots: gdn_recurrent_triton.recurrent_gated_delta_rule(
+                q, k, v, g, beta, states, slots, query_start
+            )
+        )
+        for slots in slot_sets
+    ]
+    moved = batch * GDN_VALUE_HEADS * GDN_DIM * GDN_DIM * 4 * 2
+    return f"GDN recurrent B={batch}", median_ms(rotating(calls)), moved
+
+
+def bench_conv(batch: int):
+    sets = 16
+    windows = torch.randn(sets * batch, CONV_DIM, CONV_KERNEL - 1, device=DEVICE, dtype=BF16)
+    weight = torch.randn(CONV_DIM, CONV_KERNEL, device=DEVICE, dtype=BF16)
+    x = torch.randn(batch, CONV_DIM, device=DEVICE, dtype=BF16)
+    query_start = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    slot_sets = torch.randperm(sets * batch, device=DEVICE).to(torch.int32).view(sets, batch)
+    calls = [
+        (
+            lambda slots=slots: causal_conv1d_triton.causal_conv1d(
+                x, weight, windows, slots, query_start
+            )
+        )
+        for slots in slot_sets
+    ]
+    moved = batch * CONV_DIM * (2 * (CONV_KERNEL - 1) + 2) * 2 + weight.numel() * 2
+    return f"causal conv update B={batch}", median_ms(rotating(calls)), moved
+
+
+def bench_rms_norm(rows: int):
+    x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=BF16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(HIDDEN, device=DEVICE, dtype=BF16)
+    fn = lambda: rms_norm_triton.rms_norm(x, weight, 1e-6, residual)
+    moved = 4 * x.numel() * 2
+    return f"rms norm + residual rows={rows}", median_ms(fn), moved
+
+
+def bench_gemv(format_name: str, m: int, n: int, k: int):
+    fmt = get_format(format_name)
+    weight_bytes = fmt.encoded_nbytes((n, k))
+    sets = max(2, math.ceil(240e6 / weight_bytes))
+    weights = []
+    for _ in range(sets):
+        encoded = fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02)
+        weights.append(encoded)
+    x = torch.randn(m, k, device=DEVICE, dtype=BF16)
+    calls = [lambda w=w: groupwise_gemv_triton.groupwise_linear(x, w) for w in weights]
+    moved = weight_bytes + x.numel() * 2 + m * n * 2
+    dense = torch.randn(n, k, device=DEVICE, dtype=BF16)
+    bf16_ms = median_ms(lambda: x @ dense.T)
+    label = f"{format_name} GEMV M={m} {n}x{k}"
+    return label, median_ms(rotating(calls)), moved, bf16_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    rows = [
+        bench_attention(1, 32768),
+        bench_attention(8, 4096),
+        bench_attention(32, 8192),
+        bench_gdn(1),
+        bench_gdn(8),
+        bench_gdn(64),
+        bench_conv(1),
+        bench_conv(64),
+        bench_rms_norm(8),
+        bench_rms_norm(8192),
+    ]
+    gemv_rows = [
+        bench_gemv(name, m, n, k)
+        for name in ("q4_g64_fp16", "q8_g32_fp16")
+        for m in (1, 8)
+        for n, k in ((INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
+    ]
+    print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)")
+    print(f"{'kernel':44} {'us':>9} {'MB':>9} {'GB/s':>7} {'of copy':>8}")
+    table = []
+    for label, ms, moved, *extra in rows + gemv_rows:
+        rate = moved / (ms * 1e-3)
+        note = f"  (bf16 matmul {extra[0] * 1e3:.1f} us)" if extra else ""
+        print(
+            f"{label:44} {ms * 1e3:9.1f} {moved / 1e6:9.2f} {rate / 1e9:7.0f} {rate / copy:8.1%}"
+            + note
+        )
+        table.append({"kernel": label, "ms": ms, "bytes": moved, "fraction_of_copy": rate / copy})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bytes_per_s": copy, "rows": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The Triton decode kernels on the GPU against their torch references, on fresh random inputs
+in the real model shapes (Qwen3.5-27B and -35B-A3B heads) and several batch compositions."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from kernel_cases import (
+    check_causal_conv1d,
+    check_gdn_recurrent,
+    check_groupwise_linear,
+    check_paged_attention,
+    check_rms_norm,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+pytest.importorskip("triton")
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[1], [64], [65, 3, 128, 4000], [9000], [int(n) for n in torch.randint(1, 3000, (13,))]],
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(24, 4), (16, 2), (8, 8)])
+def test_paged_decode_attention(seq_lens, num_heads, num_kv_heads):
+    from ninfer.kernels import paged_attention_triton
+
+    check_paged_attention(
+        paged_attention_triton, seq_lens, num_heads, num_kv_heads, 256, BF16, "cuda", 1e-2
+    )
+
+
+@pytest.mark.parametrize("query_lens", [[1], [1] * 8, [1] * 33, [2, 1, 4]])
+@pytest.mark.parametrize(("num_key_heads", "num_value_heads"), [(16, 48), (16, 32), (4, 4)])
+def test_gdn_recurrent(query_lens, num_key_heads, num_value_heads):
+    from ninfer.kernels import gdn_recurrent_triton
+
+    check_gdn_recurrent(
+        gdn_recurrent_triton,
+        query_lens,
+        num_key_heads,
+        num_value_heads,
+        128,
+        128,
+        BF16,
+        "cuda",
+        1e-2,
+    )
+
+
+def test_gdn_recurrent_fp32_is_tight():
+    from ninfer.kernels import gdn_recurrent_triton
+
+    check_gdn_recurrent(gdn_recurrent_triton, [1, 3, 1], 2, 6, 128, 64, torch.float32, "cuda", 1e-5)
+
+
+@pytest.mark.parametrize("query_lens", [[1], [1] * 8, [1, 100, 700], [3, 1, 2]])
+@pytest.mark.parametrize("channels", [10240, 8192, 200])
+def test_causal_conv1d(query_lens, channels):
+    from ninfer.kernels import causal_conv1d_triton
+
+    check_causal_conv1d(causal_conv1d_triton, query_lens, channels, 4, BF16, "cuda", 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize(("dim", "strided"), [(5120, False), (2048, False), (256, True)])
+def test_rms_norm(rows, dim, strided):
+    from ninfer.kernels import rms_norm_triton
+
+    check_rms_norm(rms_norm_triton, rows, dim, BF16, "cuda", 1e-2, strided)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 33])
+@pytest.mark.parametrize(("n", "k"), [(1024, 5120), (4000, 1000), (320, 17408)])
+@pytest.mark.parametrize("format_name", ["q8_g32_fp16", "q4_g64_fp16"])
+def test_groupwise_linear(format_name, m, n, k):
+    from ninfer.kernels import groupwise_gemv_triton
+
+    check_groupwise_linear(groupwise_gemv_triton, format_name, m, n, k, BF16, "cuda", 1e-2)
+
+
+def test_dispatch_sends_cuda_tensors_to_triton(monkeypatch):
+    from ninfer.kernels import dispatch, rms_norm_triton
+
+    calls = []
+    real = rms_norm_triton.rms_norm
+    monkeypatch.setattr(rms_norm_triton, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(3, 64, device="cuda", dtype=BF16)
+    dispatch.rms_norm(x, torch.zeros(64, device="cuda", dtype=BF16), 1e-6)
+    dispatch.rms_norm(x.cpu(), torch.zeros(64, dtype=BF16), 1e-6)
+    assert calls == [1]
