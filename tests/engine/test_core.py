@@ -315,3 +315,31 @@ def test_a_request_larger_than_the_pool_is_refused(make_core):
     assert core.cache.num_pages == 4
     with pytest.raises(ContextLengthExceeded):
         core.add(GenerationRequest(prompt(10, 1), SamplingParams(max_tokens=300)), print)
+
+
+LETTERS = {ord(c): 100.0 for c in "abcdefghijklmnopqrstuvwxyz"}  # byte tokens: text only
+
+
+def test_stop_string_spanning_tokens_cuts_the_content_at_its_first_character(make_core):
+    free = generate_text(make_core(), SamplingParams.greedy(max_tokens=30, logit_bias=LETTERS))
+    stop = free.content[5:8]  # three characters, three tokens
+    cut = free.content.index(stop)
+    params = SamplingParams.greedy(max_tokens=30, logit_bias=LETTERS, stop=[stop])
+    done = generate_text(make_core(), params)
+    assert done.content == free.content[:cut]
+    assert (done.finish_reason, done.stop_reason) == ("stop", stop)
+    assert len(done.token_ids) == cut + len(stop)  # the stop's tokens are generated and counted
+
+
+def test_output_after_an_open_think_is_reasoning(make_core):
+    params = SamplingParams.greedy(max_tokens=10, logit_bias=LETTERS)
+    done = generate_text(make_core(), params, starts_in_reasoning=True)
+    assert done.content == "" and len(done.reasoning) == 10
+    assert done.usage.reasoning_tokens == 10
+
+
+def generate_text(core, params: SamplingParams, **request_fields) -> Completion:
+    recorder = Recorder()
+    submit(core, recorder, GenerationRequest([10, 20], params, request_id="t", **request_fields))
+    run_to_end(core)
+    return recorder.completions["t"]
