@@ -414,6 +414,13 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def chat_request(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any):
+        """See `Engine.chat_request`."""
+        return self.engine.chat_request(messages, *args, **kwargs)
+
+    def default_params(self, thinking: bool = True) -> SamplingParams:
+        return self.engine.default_params(thinking)
+
     def submit(self, request: GenerationRequest) -> AsyncRequestStream:
         """Queue `request` (from inside a running event loop) and return its event stream."""
         return AsyncRequestStream(self.engine, request)
