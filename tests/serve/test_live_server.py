@@ -70,7 +70,7 @@ def live(tmp_path_factory):
         model=str(artifact),
         port=port,
         model_id=MODEL,
-        max_context=384,
+        max_context=2048,
         max_concurrency=4,
         max_pending_requests=32,
         default_max_tokens=16,
@@ -248,7 +248,16 @@ def test_sixteen_concurrent_streams_all_complete(live):
 
 
 def test_client_disconnect_mid_stream_aborts_and_leaves_pools_intact(live, oai):
-    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "stream": True}
+    # Long enough to be mid-stream when the client leaves, and never ended early by an
+    # end-of-turn token (the tiny model is random).
+    no_eos = {str(i): -100 for i in live.engine.frontend.stop_token_ids}
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "max_tokens": 1500,
+        "logit_bias": no_eos,
+        "stream": True,
+    }
     with httpx.Client(timeout=DEADLINE_S) as client:
         with client.stream("POST", f"{live.base_url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
