@@ -4,8 +4,9 @@ M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj."""
 import torch
 from torch import nn
 
+from ninfer.kernels.dispatch import paged_attention_decode
 from ninfer.kernels.kv_write import write_kv
-from ninfer.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from ninfer.kernels.paged_attention import paged_attention_prefill
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
@@ -54,7 +55,7 @@ class Attention(nn.Module):
         scale = self.head_dim**-0.5
         if ctx.is_decode:
             out = paged_attention_decode(
-                query, k_cache, v_cache, ctx.page_table, ctx.seq_lens, scale
+                query, k_cache, v_cache, ctx.page_table, ctx.seq_lens, scale, ctx.max_seq_len
             )
         else:
             out = paged_attention_prefill(

@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.causal_conv1d import causal_conv1d
+from ninfer.kernels.dispatch import causal_conv1d, recurrent_gated_delta_rule
 from ninfer.kernels.gdn_chunked import chunk_gated_delta_rule
-from ninfer.kernels.gdn_recurrent import recurrent_gated_delta_rule
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.norms import GatedRMSNorm
 
