@@ -118,7 +118,12 @@ class ModelInfo:
     ) -> tuple[bool, str | None]:
         """Combine a request's thinking switch and effort, checked against the template's
         capabilities (never the model name), into (thinking on, effort for the template)."""
-        if enable_thinking is None and effort is None and not self.thinking_default:
+        if (
+            enable_thinking is None
+            and effort is None
+            and not self.thinking_default
+            and self.template.capabilities.thinking
+        ):
             enable_thinking = False
         try:
             resolved = self.template.resolve_reasoning(enable_thinking, effort)

@@ -105,17 +105,21 @@ def build_state(settings: ServeSettings, engine, model_path: Path, argv: list[st
 
 async def _log_stats(state, interval_s: float) -> None:
     """A throughput line on stderr (and in the request log) every interval."""
-    metrics = state.metrics
-    model = state.info.model_id
+    registry = state.metrics.registry
+    labels = {"model_name": state.info.model_id}
+
+    def sample(name: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
     last_prompt = last_gen = 0.0
     last = time.perf_counter()
     while True:
         await asyncio.sleep(interval_s)
         now = time.perf_counter()
-        prompt = metrics.prompt_tokens.labels(model)._value.get()
-        gen = metrics.generation_tokens.labels(model)._value.get()
-        running = metrics.running.labels(model)._value.get()
-        waiting = metrics.waiting.labels(model)._value.get()
+        prompt = sample("ninfer:prompt_tokens_total")
+        gen = sample("ninfer:generation_tokens_total")
+        running = sample("ninfer:num_requests_running")
+        waiting = sample("ninfer:num_requests_waiting")
         span = now - last
         if prompt != last_prompt or gen != last_gen or running or waiting:
             record = {

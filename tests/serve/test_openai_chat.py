@@ -351,3 +351,9 @@ def test_sampling_reaches_the_engine_over_the_model_preset(make_client, engine):
     params = engine.requests[-1].params
     assert params.temperature == 0.1 and params.seed == 7 and list(params.stop) == ["x"]
     assert params.top_k == 20 and params.top_p == 0.95  # from the generation config preset
+
+
+def test_server_no_thinking_default_yields_to_the_request(frontend):
+    info = model_info(frontend, thinking_default=False)
+    assert parse_chat_request(body(), info).enable_thinking is False
+    assert parse_chat_request(body(enable_thinking=True), info).enable_thinking is True
