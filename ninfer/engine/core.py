@@ -5,6 +5,7 @@ into `TokenEvent`s (text through the chat layer's output decoder, stops, usage, 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Collection
@@ -24,6 +25,8 @@ from ninfer.errors import (
 )
 
 EventSink = Callable[[TokenEvent], None]
+
+log = logging.getLogger("ninfer.engine")
 
 
 class EngineCore:
@@ -127,7 +130,9 @@ class EngineCore:
             if seq.abort_requested:
                 self._finish(seq, "abort")
         self._expire_waiting(now)
-        batch = self.scheduler.schedule(now)
+        for seq in self.scheduler.admit(now):
+            self.sampler.reset_lane(seq.state_slot)
+        batch = self.scheduler.schedule()
         if batch is None:
             return False
         try:
@@ -172,7 +177,7 @@ class EngineCore:
             elif len(seq.output_ids) >= seq.max_tokens:
                 self._finish(seq, "length", event=event)
             else:
-                seq.sink(event)
+                self._deliver(seq, event)
 
     def _finish(
         self,
@@ -204,7 +209,15 @@ class EngineCore:
             reasoning_tokens=seq.reasoning_tokens,
         )
         event.timings = seq.timings()
-        seq.sink(event)
+        self._deliver(seq, event)
+
+    @staticmethod
+    def _deliver(seq: Sequence, event: TokenEvent) -> None:
+        """A failing consumer must not disturb the other requests of the step."""
+        try:
+            seq.sink(event)
+        except Exception:
+            log.exception("event consumer of %s failed", seq.request_id)
 
     def fail_all(self, error: Exception) -> None:
         """End every live request with `error` (engine shutdown or a fatal failure)."""

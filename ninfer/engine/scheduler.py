@@ -127,9 +127,9 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------
 
-    def schedule(self, now: float) -> ScheduledBatch | None:
-        """Admit what fits, then plan the next unit (None when nothing is running)."""
-        self.admit(now)
+    def schedule(self) -> ScheduledBatch | None:
+        """Plan the next unit over the running requests (None when nothing is running); call
+        `admit` first."""
         prefilling = [s for s in self.running if s.in_prefill]
         decoding = [s for s in self.running if not s.in_prefill]
         if prefilling and (not decoding or self._last_was_decode):

@@ -343,3 +343,12 @@ def generate_text(core, params: SamplingParams, **request_fields) -> Completion:
     submit(core, recorder, GenerationRequest([10, 20], params, request_id="t", **request_fields))
     run_to_end(core)
     return recorder.completions["t"]
+
+
+def test_penalty_counts_start_fresh_for_a_request_reusing_a_state_slot(make_core):
+    params = SamplingParams.greedy(max_tokens=12, ignore_eos=True, frequency_penalty=2.0)
+    ids = prompt(6, 21)
+    fresh = generate(make_core(max_concurrency=1), {"b": ids}, params)["b"]
+    core = make_core(max_concurrency=1)  # one slot: "b" reuses the slot "a" used
+    assert generate(core, {"a": ids}, params)["a"] == fresh
+    assert generate(core, {"b": ids}, params)["b"] == fresh
