@@ -284,8 +284,8 @@ def test_lanes_bound_the_running_requests(make_core):
 
 
 def test_blocked_head_is_protected_and_only_safe_requests_backfill(make_core):
-    # 4 pages of 64 tokens. A holds 2; the head B needs all 4 and waits for A.
-    core = make_core(max_context=256, kv_capacity=256, prefill_chunk=64)
+    # 3 pages of 64 tokens. A holds 1; the head B needs all 3 and waits for A.
+    core = make_core(max_context=192, kv_capacity=192, prefill_chunk=64)
     recorder = Recorder()
 
     def add(request_id: str, length: int, max_tokens: int):
@@ -293,10 +293,10 @@ def test_blocked_head_is_protected_and_only_safe_requests_backfill(make_core):
         request = GenerationRequest(prompt(length, ord(request_id)), params, request_id=request_id)
         return submit(core, recorder, request)
 
-    a = add("A", 60, 20)  # 2 pages, done within 21 steps
-    b = add("B", 10, 200)  # 4 pages: the blocked head
+    a = add("A", 30, 20)  # 1 page, done within 21 steps
+    b = add("B", 150, 30)  # 3 pages: the blocked head
     c = add("C", 5, 10)  # 1 page, done within 11 steps: before A, cannot delay B
-    d = add("D", 5, 50)  # 1 page but up to 51 steps: would hold a page B needs after A ends
+    d = add("D", 5, 30)  # 1 page but up to 31 steps: would hold a page B needs after A ends
     core.step()
     assert [s.status for s in (a, b, c, d)] == [
         Status.RUNNING,
