@@ -652,7 +652,7 @@ async def responses_sse(
     current: str | None = None  # reasoning | content
     text = ""
 
-    def close_current() -> list[bytes]:
+    def close_current(status: str = "completed") -> list[bytes]:
         nonlocal current, text
         frames = []
         index = len(done_items)
@@ -672,7 +672,7 @@ async def responses_sse(
             part = item["content"][0]
             item_id = ids.reasoning
         else:
-            item = message_item(ids.message, text, "completed")
+            item = message_item(ids.message, text, status)
             frames.append(
                 event(
                     "response.output_text.done",
@@ -748,20 +748,16 @@ async def responses_sse(
                 yield event(kind, data)
                 continue
             completion = out
-            if (
-                current is None
-                and not completion.tool_calls
-                and not any(i["type"] == "message" for i in done_items)
-            ):
+            status = "incomplete" if completion.finish_reason == "length" else "completed"
+            if current is not None:
+                for frame in close_current(status):
+                    yield frame
+            has_message = any(item["type"] == "message" for item in done_items)
+            if not has_message and not completion.tool_calls:
                 for frame in open_item("content"):
                     yield frame
-            if current is not None:
-                for frame in close_current():
+                for frame in close_current(status):
                     yield frame
-            if completion.finish_reason == "length":
-                for item in done_items:
-                    if item["type"] == "message":
-                        item["status"] = "incomplete"
             call_ids = [new_id("fc_") for _ in completion.tool_calls]
             for call_, item_id in zip(completion.tool_calls, call_ids):
                 index = len(done_items)

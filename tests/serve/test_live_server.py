@@ -14,8 +14,10 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from helpers import convert_tiny
+from helpers import make_tiny_checkpoint
 
+from ninfer.artifact.convert import convert
+from ninfer.chat.qwen_style import qwen_style_template
 from ninfer.serve.server import build_app
 from ninfer.serve.settings import ServeSettings
 
@@ -60,10 +62,22 @@ class LiveServer:
         assert cache.slots.num_free == cache.num_slots
 
 
+def tiny_qwen_artifact(root):
+    """A tiny random model with our Qwen-style chat template (tools, `<think>` prologue)."""
+    checkpoint = make_tiny_checkpoint(root / "hf")
+    template = root / "chat_template.jinja"
+    template.write_text(qwen_style_template())
+    artifact = root / "model.ninfer"
+    convert(
+        checkpoint, "qwen3_5", artifact, resources={"chat_template": template}, on_warning=print
+    )
+    return artifact
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
-    _, artifact = convert_tiny(root)
+    artifact = tiny_qwen_artifact(root)
     port = free_port()
     log_path = root / "requests.jsonl"
     settings = ServeSettings(
@@ -116,8 +130,11 @@ def test_chat_stream_matches_non_stream_and_ends_with_usage(oai):
             stream_options={"include_usage": True},
         )
     )
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    text = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     assert text == whole.choices[0].message.content
+    assert reasoning == (getattr(whole.choices[0].message, "reasoning_content", None) or "")
     finishes = [
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
@@ -157,11 +174,26 @@ def test_tool_call_round_trip_is_accepted(oai):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
-def test_reasoning_switch_changes_the_prompt_and_effort_is_checked(oai):
-    on = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
-    off = oai.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=4, extra_body={"enable_thinking": False}
+def test_reasoning_on_goes_to_reasoning_content_and_off_does_not(oai, live):
+    # the random model must neither close <think> nor end the turn at once
+    tokenizer = live.engine.frontend.tokenizer
+    banned = [tokenizer.token_to_id("</think>"), *live.engine.frontend.stop_token_ids]
+    on = oai.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(i): -100 for i in banned},
     )
+    off = oai.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"enable_thinking": False},
+    )
+    assert on.choices[0].message.reasoning_content
+    assert not getattr(off.choices[0].message, "reasoning_content", None)
     # the template writes an empty think block when thinking is off
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as caught:
@@ -210,17 +242,20 @@ def test_responses_stream_events_rebuild_the_output(oai):
 def test_anthropic_stream_events_and_count_tokens(claude):
     messages = [{"role": "user", "content": "Hello"}]
     counted = claude.messages.count_tokens(model="any-label", messages=messages)
-    reply = claude.messages.create(model="any-label", max_tokens=8, messages=messages)
+    greedy = {"temperature": 0}  # this SDK version sends it only as an extra field
+    args = {"model": "any-label", "max_tokens": 8, "messages": messages, "extra_body": greedy}
+    reply = claude.messages.create(**args)
     assert reply.model == "any-label" and reply.usage.input_tokens == counted.input_tokens
     assert reply.stop_reason in ("end_turn", "max_tokens")
 
-    with claude.messages.stream(model="any-label", max_tokens=8, messages=messages) as stream:
+    with claude.messages.stream(**args) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "message_delta" in kinds and "ping" not in kinds
     assert final.usage.input_tokens == counted.input_tokens
-    assert [block.type for block in final.content] == ["text"]
+    assert [block.type for block in final.content] in (["text"], ["thinking", "text"])
+    assert final.model_dump(exclude={"id"}) == reply.model_dump(exclude={"id"})
 
 
 def test_sixteen_concurrent_streams_all_complete(live):

@@ -350,3 +350,17 @@ def test_deleted_ids_disappear():
     store.put(record("a"))
     assert store.delete("a") and store.get("a") is None and not store.delete("a")
     assert store.size_bytes == 0
+
+
+def test_stream_of_reasoning_only_still_ends_with_a_message_item_like_the_body(make_client, engine):
+    engine.script, engine.finish = [("reasoning", "Thinking")], "length"
+    client = make_client()
+    whole = client.post("/v1/responses", json=body()).json()
+    events = typed_events(client.post("/v1/responses", json=body(stream=True)).text)
+    final = events[-1][1]["response"]
+    assert events[-1][0] == "response.incomplete"
+    shape = [(i["type"], i.get("status")) for i in final["output"]]
+    assert shape == [(i["type"], i.get("status")) for i in whole["output"]]
+    assert shape == [("reasoning", None), ("message", "incomplete")]
+    done = [d["item"] for k, d in events if k == "response.output_item.done"]
+    assert done == final["output"]
