@@ -175,6 +175,21 @@ def main() -> None:
             + note
         )
         table.append({"kernel": label, "ms": ms, "bytes": moved, "fraction_of_copy": rate / copy})
+    print("variants (us):")
+    for warps in (4, 8):
+        paged_attention_triton.SPLIT_WARPS = warps
+        print(
+            f"  attention split warps={warps}: B=1 ctx=32768 {bench_attention(1, 32768)[1] * 1e3:.1f}"
+            f", B=32 ctx=8192 {bench_attention(32, 8192)[1] * 1e3:.1f}"
+        )
+    paged_attention_triton.SPLIT_WARPS = 4
+    for block_n in (32, 64, 128):
+        groupwise_gemv_triton.BLOCK_N = block_n
+        times = [
+            bench_gemv(name, 1, INTERMEDIATE, HIDDEN)[1] * 1e3
+            for name in ("q4_g64_fp16", "q8_g32_fp16")
+        ]
+        print(f"  GEMV M=1 17408x5120 BLOCK_N={block_n}: q4 {times[0]:.1f}, q8 {times[1]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bytes_per_s": copy, "rows": table}, f, indent=1)

@@ -20,6 +20,7 @@ from ninfer.quant import EncodedTensor
 
 SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
 GROUPS_PER_STEP = 4
+BLOCK_N = 64  # weight rows per program (tuned on the GPU machine, see bench/decode_kernels.py)
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     m = x.shape[0]
     num_groups = scales.shape[1]
     block_m = min(64, max(16, next_power_of_2(m)))
-    block_n = 64
+    block_n = BLOCK_N
     n_blocks = triton.cdiv(num_rows, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(num_groups, GROUPS_PER_STEP)
     splits = max(1, min(steps, triton.cdiv(2 * num_sms(x.device), n_blocks)))

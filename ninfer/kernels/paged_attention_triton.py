@@ -19,6 +19,7 @@ from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
 LOG2E = 1.4426950408889634
+SPLIT_WARPS = 4  # warps of the split kernel (tuned on the GPU machine, see bench/decode_kernels.py)
 
 
 @triton.jit
@@ -196,7 +197,7 @@ def paged_attention_decode(
         GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE,
-        num_warps=4,
+        num_warps=SPLIT_WARPS,
         num_stages=2,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
