@@ -282,17 +282,23 @@ def test_sixteen_concurrent_streams_all_complete(live):
     live.assert_pools_intact()
 
 
-def test_client_disconnect_mid_stream_aborts_and_leaves_pools_intact(live, oai):
-    # Long enough to be mid-stream when the client leaves, and never ended early by an
-    # end-of-turn token (the tiny model is random).
+def long_request(live) -> dict:
+    """Long enough to be running when the client leaves, and never ended early by an
+    end-of-turn token (the tiny model is random)."""
     no_eos = {str(i): -100 for i in live.engine.frontend.stop_token_ids}
-    body = {
-        "model": MODEL,
-        "messages": USER,
-        "max_tokens": 1500,
-        "logit_bias": no_eos,
-        "stream": True,
-    }
+    return {"model": MODEL, "messages": USER, "max_tokens": 1500, "logit_bias": no_eos}
+
+
+def disconnects(live) -> int:
+    return sum(
+        r["event"] == "request_error" and r["code"] == "client_disconnected"
+        for r in live.log_records()
+    )
+
+
+def test_client_disconnect_mid_stream_aborts_and_leaves_pools_intact(live, oai):
+    body = {**long_request(live), "stream": True}
+    before = disconnects(live)
     with httpx.Client(timeout=DEADLINE_S) as client:
         with client.stream("POST", f"{live.base_url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -300,15 +306,17 @@ def test_client_disconnect_mid_stream_aborts_and_leaves_pools_intact(live, oai):
             assert next(lines).startswith("data: ")
         # leaving the block closes the connection mid-stream
     live.assert_pools_intact()
-    wait_until(
-        lambda: any(
-            r["event"] == "request_error" and r["code"] == "client_disconnected"
-            for r in live.log_records()
-        ),
-        "the disconnect to be logged",
-    )
+    wait_until(lambda: disconnects(live) == before + 1, "the disconnect to be logged")
     after = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
     assert after.choices[0].finish_reason in ("stop", "length")
+
+
+def test_client_that_gives_up_on_a_non_stream_request_aborts_it(live):
+    before = disconnects(live)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.base_url}/v1/chat/completions", json=long_request(live), timeout=0.5)
+    wait_until(lambda: disconnects(live) == before + 1, "the disconnect to be logged")
+    live.assert_pools_intact()
 
 
 def test_bad_requests_get_their_status_and_shape_and_the_server_keeps_serving(live, oai, claude):
