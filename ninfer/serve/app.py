@@ -130,14 +130,16 @@ async def unless_disconnected(request: Request, work: Awaitable) -> Any:
     and raise the 499 error."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    done: set = set()
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (server shutdown)
         watcher.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise client_disconnected()
+    if task not in done:
+        raise client_disconnected()
     return task.result()
 
 
