@@ -9,12 +9,13 @@ scheduler. Limits are checked in the caller's thread, so `submit` raises `QueueF
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -254,9 +255,9 @@ class Engine:
         """The model's sampling preset for the thinking mode (neutral without one)."""
         if self.frontend is None:
             return SamplingParams()
-        from ninfer.chat.presets import NEUTRAL
+        from ninfer.chat.presets import resolve_sampling
 
-        preset = self.frontend.sampling_preset(thinking).over(NEUTRAL)
+        preset = resolve_sampling(self.frontend.sampling_preset(thinking))
         return SamplingParams(
             temperature=preset.temperature,
             top_p=preset.top_p,
@@ -456,8 +457,6 @@ def _with_overrides(config: EngineConfig | None, overrides: dict[str, Any]) -> E
         return EngineConfig(**overrides)
     if not overrides:
         return config
-    from dataclasses import replace
-
     return replace(config, **overrides)
 
 
@@ -491,8 +490,6 @@ def load_core(path: Path, config: EngineConfig) -> EngineCore:
 
 def artifact_eos_ids(artifact: Any) -> tuple[int, ...]:
     """Stop ids of an artifact without a tokenizer: generation_config, else config.json."""
-    import json
-
     raw = artifact.resource("generation_config")
     value = json.loads(raw).get("eos_token_id") if raw else None
     if value is None:
