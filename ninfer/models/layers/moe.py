@@ -20,14 +20,15 @@ class Experts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
-        """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in the model
+        dtype, expert by expert in id order, as the transformers reference does."""
+        out = torch.zeros_like(x)
         for expert in experts.unique().tolist():
             token, choice = (experts == expert).nonzero(as_tuple=True)
             gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token, (y * weights[token, choice, None]).float())
-        return out.to(x.dtype)
+            out.index_add_(0, token, y * weights[token, choice, None])
+        return out
 
 
 class SparseMoE(nn.Module):
