@@ -1,6 +1,6 @@
 """Our Qwen3.5 dense and MoE models give transformers' logits, however the tokens are batched:
 whole prefill, prefill in random chunks, prefill then single-token decodes, and several
-sequences decoded together.
+sequences decoded together. Our model is loaded from an fp32 artifact made by our converter.
 
 Error = max |ours - reference| / max |reference| over all compared logits.
 - fp32 (<= 1e-4): the reference is transformers over the whole sequence at once, so chunking,
@@ -18,6 +18,7 @@ from tiny_qwen import (
     TINY_CONFIGS,
     VOCAB,
     Runner,
+    convert_to_artifact,
     hf_in_dtype,
     hf_logits_in_steps,
     load_ours,
@@ -29,15 +30,20 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 CONFIGS = pytest.mark.parametrize("name", list(TINY_CONFIGS))
 
-_models: dict = {}
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """models(name, dtype) -> (transformers in dtype, ours loaded from our fp32 artifact in dtype)."""
+    built: dict = {}
 
-def models(name: str, dtype: torch.dtype):
-    """(HF reference in `dtype`, ours in `dtype`), built once per module."""
-    if (name, dtype) not in _models:
-        hf = make_hf_model(name)
-        _models[name, dtype] = (hf_in_dtype(hf, dtype), load_ours(hf, dtype))
-    return _models[name, dtype]
+    def get(name: str, dtype: torch.dtype):
+        if name not in built:
+            hf = make_hf_model(name)
+            built[name] = (hf, convert_to_artifact(hf, tmp_path_factory.mktemp(name)))
+        hf, artifact = built[name]
+        return hf_in_dtype(hf, dtype), load_ours(artifact, dtype)
+
+    return get
 
 
 def reference(hf, token_ids: list[int], steps: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -53,7 +59,7 @@ def tokens(count: int, seed: int) -> list[int]:
 
 @CONFIGS
 @DTYPES
-def test_whole_prompt_prefill_matches_transformers(name, dtype):
+def test_whole_prompt_prefill_matches_transformers(models, name, dtype):
     hf, ours = models(name, dtype)
     prompt = tokens(150, seed=1)  # crosses two 64-token pages and two GDN chunks
     runner = Runner(ours)
@@ -64,7 +70,7 @@ def test_whole_prompt_prefill_matches_transformers(name, dtype):
 
 @CONFIGS
 @DTYPES
-def test_prefill_in_random_chunks_matches_transformers(name, dtype):
+def test_prefill_in_random_chunks_matches_transformers(models, name, dtype):
     hf, ours = models(name, dtype)
     prompt = tokens(150, seed=2)
     gen = random.Random(3)
@@ -82,7 +88,7 @@ def test_prefill_in_random_chunks_matches_transformers(name, dtype):
 
 @CONFIGS
 @DTYPES
-def test_prefill_then_16_decodes_match_transformers(name, dtype):
+def test_prefill_then_16_decodes_match_transformers(models, name, dtype):
     hf, ours = models(name, dtype)
     sequence = tokens(76, seed=4)  # 60 prompt tokens; the decodes cross a page boundary
     runner = Runner(ours)
@@ -96,7 +102,7 @@ def test_prefill_then_16_decodes_match_transformers(name, dtype):
 
 @CONFIGS
 @DTYPES
-def test_three_sequences_decoded_in_one_batch_match_transformers(name, dtype):
+def test_three_sequences_decoded_in_one_batch_match_transformers(models, name, dtype):
     hf, ours = models(name, dtype)
     lengths = {"a": 70, "b": 5, "c": 129}
     decodes = 4

@@ -1,9 +1,10 @@
-"""Random tiny Qwen3.5 models from transformers (the reference) and helpers to run ours on the
-same weights through pages and state slots."""
+"""Random tiny Qwen3.5 models from transformers (the reference), converted to `.ninfer` by our
+converter, and a runner that drives our model through pages and state slots."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -14,10 +15,11 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
+from ninfer.artifact.artifact import Artifact
+from ninfer.artifact.convert import convert
 from ninfer.engine.kv_pool import PAGE_SIZE, ModelCache
 from ninfer.models.context import make_context
 from ninfer.models.registry import load_model
-from ninfer.models.weights import StateDictSource
 
 VOCAB = 96
 
@@ -145,10 +147,18 @@ def hf_logits_in_steps(hf_model, token_ids: list[int], steps: list[int]) -> torc
     return torch.cat(pieces)
 
 
-def load_ours(hf_model, dtype: torch.dtype, extra: dict[str, torch.Tensor] | None = None):
-    tensors = StateDictSource.from_hf_state_dict(hf_model.state_dict()).tensors
-    tensors.update(extra or {})
-    return load_model(StateDictSource(tensors), hf_model.config.to_dict(), dtype=dtype)
+def convert_to_artifact(hf_model, directory: Path, weights: str = "fp32") -> Artifact:
+    """Save the HF model as a checkpoint and convert it with our converter."""
+    checkpoint = directory / "hf"
+    hf_model.save_pretrained(checkpoint)
+    recipe = "qwen3_5_moe" if "moe" in hf_model.config.model_type else "qwen3_5"
+    out = directory / f"model-{weights}.ninfer"
+    convert(checkpoint, recipe, out, weights=weights, on_warning=lambda _: None, progress=False)
+    return Artifact.open(out)
+
+
+def load_ours(artifact: Artifact, dtype: torch.dtype):
+    return load_model(artifact, artifact.config(), dtype=dtype)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -174,7 +184,8 @@ class Runner:
 
     def step(self, new_tokens: dict[str, list[int]], mtp_ids: dict[str, list[int]] | None = None):
         """Feeds each sequence's new tokens in one flat batch; returns per-sequence logits, and
-        with `mtp_ids` also the MTP logits (fed the main hidden states and those ids)."""
+        with `mtp_ids` also the MTP logits (fed the main hidden states and those ids). The main
+        hidden states of the step are left in `self.hidden`."""
         seqs = list(new_tokens)
         for seq in seqs:
             needed = -(-(self.lengths[seq] + len(new_tokens[seq])) // PAGE_SIZE)
@@ -203,4 +214,5 @@ class Runner:
         bounds = ctx.query_start.tolist()
         split = lambda x: {s: x[bounds[i] : bounds[i + 1]] for i, s in enumerate(seqs)}
         self.cache.check_integrity()
+        self.hidden = split(hidden)
         return split(logits) if mtp_logits is None else (split(logits), split(mtp_logits))
