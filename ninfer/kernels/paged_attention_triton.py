@@ -19,6 +19,7 @@ from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
 LOG2E = 1.4426950408889634
+SPLIT_WAVES = 4  # programs per SM the split aims for (measured: 2 left bandwidth unused)
 SPLIT_WARPS = 4  # warps of the split kernel (tuned on the GPU machine, see bench/decode_kernels.py)
 
 
@@ -135,8 +136,10 @@ def _decode_merge_kernel(
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_pages: int, device: torch.device):
-    """(pages_per_split, num_splits): enough programs for about two waves over the SMs."""
-    wanted = max(1, math.ceil(2 * num_sms(device) / max(1, num_seqs * num_kv_heads)))
+    """(pages_per_split, num_splits): enough programs for SPLIT_WAVES waves over the SMs, so
+    that enough page loads are in flight."""
+    programs = SPLIT_WAVES * num_sms(device)
+    wanted = max(1, math.ceil(programs / max(1, num_seqs * num_kv_heads)))
     pages_per_split = math.ceil(max_pages / min(wanted, max_pages))
     return pages_per_split, math.ceil(max_pages / pages_per_split)
 
