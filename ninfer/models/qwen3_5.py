@@ -9,7 +9,7 @@ is `mtp/fc.weight`), so loading is a walk over `named_parameters()`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,6 @@ class Qwen3_5Config:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], *, is_moe: bool) -> Qwen3_5Config:
@@ -165,6 +164,7 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self._parent = (parent,)  # a tuple, so the parent is not registered as a submodule
 
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
