@@ -1,10 +1,10 @@
 """Group-wise int GEMV/small-M GEMM in Triton for `q8_g32_fp16` and `q4_g64_fp16` weights.
 
 Decode reads every weight once per step, so the codes are read straight from their stored
-planes and dequantized in registers, and each group's product x_g · codes_g is scaled once per
-group and row afterwards (fewer multiplies than scaling every weight). Up to FMA_MAX_M rows of x
-the products run on the FMA units, the codes turned into floats by a bit trick instead of the
-slow int->float conversion; above it, on the tensor cores (integer codes are exact in bf16).
+planes and dequantized in registers. Integer codes are exact in bf16/fp16, so each group's
+product x_g · codes_g runs on the tensor cores (x padded to 16 rows) and is scaled once per
+group and row afterwards. An FMA-unit variant for M <= 4 (codes to floats by a bit trick) was
+measured slower on the GPU machine and dropped.
 The q4 nibbles of a byte are values 2j and 2j+1, so they meet x's even and odd columns.
 Split-K fills the GPU when N is small; the splits' fp32 partials are summed at the end.
 Reference: `groupwise_gemv.groupwise_linear`.
@@ -21,23 +21,9 @@ from ninfer.quant import EncodedTensor
 
 SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
 GROUPS_PER_STEP = 4
-FMA_MAX_M = 4
-FMA_BLOCK_N = 64
-BLOCK_N = 128  # weight rows per program (tuned on the GPU machine, see bench/decode_kernels.py)
-
-
-@triton.jit
-def _int_to_float(codes):
-    """Small signed ints (|c| < 2^22) to fp32 without the slow int->float conversion: the bits
-    of 2^23 + 2^22 + c read as a float are that number exactly; subtract it back."""
-    magic = ((codes + 0x4B400000).to(tl.float32, bitcast=True)) - 12582912.0
-    return magic
-
-
-@triton.jit
-def _dot_fma(x, w):
-    """x [BLOCK_M, G] times w [BLOCK_N, G] summed over G, on the FMA units: [BLOCK_M, BLOCK_N]."""
-    return tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+# Weight rows per program, per format: the faster of 64 and 128 at M = 1..8 on the GPU machine
+# (bench/decode_kernels.md).
+BLOCK_N = {"q8_g32_fp16": 64, "q4_g64_fp16": 128}
 
 
 @triton.jit
@@ -59,7 +45,6 @@ def _groupwise_gemv_kernel(
     STEP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -89,10 +74,7 @@ def _groupwise_gemv_kernel(
                     mask=m_mask[:, None] & (live & (ks < K))[None, :],
                     other=0.0,
                 )
-                if USE_DOT:
-                    part = tl.dot(xs, tl.trans(codes.to(xs.dtype)))
-                else:
-                    part = _dot_fma(xs, _int_to_float(codes.to(tl.int32)))
+                part = tl.dot(xs, tl.trans(codes.to(xs.dtype)))
             else:
                 cols = group * (GROUP // 2) + tl.arange(0, GROUP // 2)
                 live = cols < last * (GROUP // 2)
@@ -112,13 +94,8 @@ def _groupwise_gemv_kernel(
                     mask=m_mask[:, None] & (live & (even + 1 < K))[None, :],
                     other=0.0,
                 )
-                if USE_DOT:
-                    part = tl.dot(x_even, tl.trans(low.to(x_even.dtype)))
-                    part = tl.dot(x_odd, tl.trans(high.to(x_odd.dtype)), part)
-                else:
-                    part = _dot_fma(x_even, _int_to_float(low)) + _dot_fma(
-                        x_odd, _int_to_float(high)
-                    )
+                part = tl.dot(x_even, tl.trans(low.to(x_even.dtype)))
+                part = tl.dot(x_odd, tl.trans(high.to(x_odd.dtype)), part)
             scale_mask = row_mask & (rows * 0 + group < last)
             scale = tl.load(scale_rows + group, mask=scale_mask, other=0.0).to(tl.float32)
             acc += part * scale[None, :]
@@ -136,10 +113,8 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         raise ValueError("groupwise GEMV needs unit stride along K")
     m = x.shape[0]
     num_groups = scales.shape[1]
-    # Up to FMA_MAX_M rows the FMA units beat tensor-core tiles padded to 16 rows.
-    use_dot = m > FMA_MAX_M
-    block_m = min(64, max(16, next_power_of_2(m))) if use_dot else next_power_of_2(m)
-    block_n = BLOCK_N if use_dot else FMA_BLOCK_N
+    block_m = min(64, max(16, next_power_of_2(m)))
+    block_n = BLOCK_N[weight.format]
     n_blocks = triton.cdiv(num_rows, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(num_groups, GROUPS_PER_STEP)
     splits = max(1, min(steps, triton.cdiv(2 * num_sms(x.device), n_blocks)))
@@ -165,7 +140,6 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         STEP=GROUPS_PER_STEP,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        USE_DOT=use_dot,
         num_warps=4,
     )
     return partial.sum(dim=0).to(x.dtype)

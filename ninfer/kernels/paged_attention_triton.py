@@ -19,7 +19,7 @@ from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
 LOG2E = 1.4426950408889634
-SPLIT_WAVES = 4  # programs per SM the split aims for (measured: 2 left bandwidth unused)
+SPLIT_WAVES = 2  # programs per SM the split aims for (measured: 2 a little ahead of 4, 8 slower)
 SPLIT_WARPS = 4  # warps of the split kernel (tuned on the GPU machine, see bench/decode_kernels.py)
 
 

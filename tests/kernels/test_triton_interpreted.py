@@ -69,7 +69,7 @@ def test_rms_norm_with_and_without_residual(interpreted, strided):
 
 
 @pytest.mark.parametrize(("format_name", "k"), [("q8_g32_fp16", 200), ("q4_g64_fp16", 300)])
-@pytest.mark.parametrize("m", [3, 20])  # the FMA path, then the tensor-core path
+@pytest.mark.parametrize("m", [3, 20])
 def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, k, m):
     module = interpreted("groupwise_gemv_triton")
     check_groupwise_linear(module, format_name, m, 40, k, torch.float16, "cpu", 2e-3)
