@@ -4,8 +4,9 @@ with one MTP layer -> HF-style checkpoint, metrics and sample completions.
     python tools/train_demo/train.py --out OUT_DIR            # the GPU run (defaults)
     python tools/train_demo/train.py --out /tmp/x --smoke     # minutes on a CPU, tiny corpus
 
-transformers' Qwen3_5ForCausalLM is the training vehicle (fla's kernels make its Gated DeltaNet
-fast on the GPU); the MTP layer is ours (mtp.py). See docs/demo-model.md for the recipe and results."""
+transformers' Qwen3_5ForCausalLM is the training vehicle (with its torch Gated DeltaNet, see
+use_torch_reference_gdn); the MTP layer is ours (mtp.py). docs/demo-model.md has the recipe and
+the results."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def parse_args() -> argparse.Namespace:
         help="wall-clock minutes from start by which everything must be written; training's "
         "cosine schedule runs over whatever time is left before it, less --reserve-s",
     )
-    p.add_argument("--reserve-s", type=float, default=80, help="time kept for the final steps")
+    p.add_argument("--reserve-s", type=float, default=100, help="time kept for the final steps")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=128)
     p.add_argument("--sample-tokens", type=int, default=200)
@@ -85,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.max_corpus_mb = min(args.max_corpus_mb, 6)
         args.tokenizer_sample_mb = min(args.tokenizer_sample_mb, 4)
+        args.vocab_size = min(args.vocab_size, 2048)
         args.layers, args.intermediate, args.hidden = 4, 128, 64
         args.full_attention_interval = 2
         args.seq_len, args.batch = 128, 4
@@ -112,20 +114,16 @@ def gdn_kernels() -> dict[str, str]:
     return found
 
 
-def train_through_torch_reference_gdn():
+def use_torch_reference_gdn() -> None:
     """fla 0.6 refuses its chunked Gated DeltaNet backward under Triton < 3.7.1 on Hopper (wrong
-    gradients there, its issue #640), and the GPU machine's Triton is 3.6. Training therefore
-    runs transformers' torch reference of the same rule (forward and backward, chunked with a
-    triangular solve); inference keeps fla. Returns a function that restores the fla binding."""
+    gradients there, its issue #640), and the GPU machine's Triton is 3.6. The whole run therefore
+    uses transformers' torch reference of the same rule (chunked, with a triangular solve), for
+    training and for the final evaluation alike: fla's forward would need a minute of autotuning
+    for a few evaluation batches."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     bound = m.torch_chunk_gated_delta_rule
     m.torch_chunk_gated_delta_rule = getattr(bound, "__wrapped__", bound)
-
-    def restore() -> None:
-        m.torch_chunk_gated_delta_rule = bound
-
-    return restore
 
 
 def environment() -> dict:
@@ -151,11 +149,13 @@ def environment() -> dict:
 
 # ------------------------------------------------------------------------------------ data
 def make_corpus(args) -> tuple[list[corpus.Document], dict]:
+    exclude = [args.work, args.out]
     if args.root:
         roots = [(r.split("=", 1)[0], Path(r.split("=", 1)[1])) for r in args.root]
     else:
+        # The installed packages only: not this repository, nor wheels carried in for the run.
         roots = corpus.source_roots()
-    exclude = [REPO, args.work, args.out, Path("/tmp/site")]
+        exclude += [REPO, Path("/tmp/site")]
     files = corpus.list_files(roots, exclude=[e for e in exclude if e.exists()])
     log(f"{len(files)} candidate files, {sum(p.stat().st_size for _, p in files) / 2**20:.0f} MiB")
     docs = corpus.build_corpus(files, int(args.max_corpus_mb * 2**20), workers=args.workers)
@@ -298,7 +298,7 @@ def windows(stream: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Ten
 def evaluate(model, mtp, stream: torch.Tensor, args, byte_lengths: torch.Tensor, count: int):
     """Fixed, non-overlapping windows from the start of a held-out stream."""
     width = args.seq_len + 2
-    count = min(count, (len(stream) - 1) // width)
+    count = min(count, max(0, len(stream) - 1) // width)
     if count == 0:
         return None
     model.eval()
@@ -635,9 +635,9 @@ def main() -> None:
     }
     log(f"parameters {json.dumps(metrics['parameters'])}")
 
-    restore_gdn = train_through_torch_reference_gdn()
+    use_torch_reference_gdn()
+    metrics["environment"]["gdn_used"] = gdn_kernels()["chunk_gated_delta_rule"]
     metrics["training"] = train(args, model, mtp, streams, byte_lengths, device)
-    restore_gdn()
 
     # The checkpoint goes out first, so a failure in what follows loses no training.
     checkpoint = args.work / "checkpoint"
