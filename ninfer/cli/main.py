@@ -11,6 +11,10 @@ from ninfer.errors import NinferError
 
 # subcommand -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "ninfer.cli.bench",
+        "throughput (prefill, decode, concurrency) with each row's speed-of-light ratio",
+    ),
     "convert": ("ninfer.cli.convert", "convert a Hugging Face checkpoint into a .ninfer artifact"),
     "inspect": ("ninfer.cli.inspect", "print or verify a .ninfer artifact"),
     "run": ("ninfer.cli.run", "run one request: answer on stdout, reasoning and timings on stderr"),

@@ -1,0 +1,204 @@
+"""A whole bench run: build the model (from a `.ninfer` file or random weights in a named
+shape), measure the two ceilings, time every case on ninfer (and the transformers peer when
+asked) and return the report that `ninfer bench` prints as a table or JSON."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ninfer.bench.cases import BenchCase, Ceilings, Row, summarize
+from ninfer.bench.ceilings import copy_bandwidth, matmul_rate
+from ninfer.bench.shapes import SHAPES
+from ninfer.bench.traffic import Traffic, artifact_formats, profile_formats
+from ninfer.errors import ConfigError
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    cases: list[BenchCase]
+    model_path: str | None = None
+    shape: str | None = None
+    weights: str = "q4"  # with --shape: the formats random weights stand for
+    device: str | None = None
+    dtype: str | None = None
+    repetitions: int = 3
+    warmup: int = 1
+    prefill_chunk: int = 1024
+    peers: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
+    name = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but no CUDA device is available")
+    dtype_name = options.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, dtype_name)
+
+
+def _commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _time_cases(target, cases, options, traffic, ceilings, weights) -> list[Row]:
+    rows = []
+    for index, case in enumerate(cases):
+        for rep in range(options.warmup):
+            target.run_case(case, seed=options.seed + 1000 * index + 999 - rep)
+        repetitions = [
+            target.run_case(case, seed=options.seed + 1000 * index + rep)
+            for rep in range(options.repetitions)
+        ]
+        rows.append(summarize(target.name, weights, case, repetitions, traffic, ceilings))
+    return rows
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    from ninfer.bench.targets import HFTarget, NinferTarget, random_model
+
+    if (options.model_path is None) == (options.shape is None):
+        raise ConfigError("give a .ninfer file or --shape, not both")
+    if options.repetitions < 1 or options.warmup < 0:
+        raise ConfigError("repetitions must be >= 1 and warmup >= 0")
+    if options.shape is not None and options.shape not in SHAPES:
+        raise ConfigError(f"unknown shape {options.shape!r} (known: {', '.join(SHAPES)})")
+    if not options.cases:
+        raise ConfigError("nothing to run: give -p, -n or -pg")
+    device, dtype = resolve_device(options)
+    torch.manual_seed(options.seed)
+    kv_itemsize = dtype.itemsize
+
+    if options.model_path is not None:
+        from ninfer.artifact import Artifact
+        from ninfer.models.registry import load_model
+
+        path = Path(options.model_path)
+        if not path.is_file():
+            raise ConfigError(f"model file not found: {path}")
+        artifact = Artifact.open(path)
+        config = artifact.config()
+        traffic = Traffic(
+            config, artifact_formats(artifact), kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
+        )
+        weights = "artifact"
+        model = load_model(artifact, config, device=device, dtype=dtype)
+        model_label = str(path)
+    else:
+        config = SHAPES[options.shape]
+        traffic = Traffic(
+            config,
+            profile_formats(config, options.weights),
+            kv_itemsize=kv_itemsize,
+            conv_itemsize=kv_itemsize,
+        )
+        weights = options.weights
+        model = random_model(config, device, dtype, options.seed)
+        model_label = f"{options.shape} (random weights)"
+
+    ceilings = Ceilings(
+        copy_bandwidth(device), matmul_rate(device, dtype), str(dtype).removeprefix("torch.")
+    )
+    executed = str(next(model.parameters()).dtype).removeprefix("torch.")
+    rows = _time_cases(
+        NinferTarget(model, options.cases, options.prefill_chunk),
+        options.cases,
+        options,
+        traffic,
+        ceilings,
+        weights,
+    )
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    for peer in options.peers:
+        if peer != "hf":
+            raise ConfigError(f"unknown peer {peer!r} (known: hf)")
+        peer_traffic = Traffic(
+            config, lambda name, shape: "bf16", kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
+        )
+        target = HFTarget(config, device, dtype)
+        rows += _time_cases(target, options.cases, options, peer_traffic, ceilings, "bf16")
+        del target
+        gc.collect()
+
+    return {
+        "model": model_label,
+        "device": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "executed_weights": executed,
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "ceilings": asdict(ceilings),
+        "weight_bytes_per_token": traffic.decode_bytes([0]).weights,
+        "stored_weight_bytes": traffic.bytes_by_format(),
+        "options": {
+            "repetitions": options.repetitions,
+            "warmup": options.warmup,
+            "prefill_chunk": options.prefill_chunk,
+            "seed": options.seed,
+        },
+        "rows": [asdict(row) for row in rows],
+    }
+
+
+def si(value: float) -> str:
+    """1.23G, 456M, 7.89k: a byte count in three significant digits."""
+    for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a short text table: header lines, then one line per row."""
+    ceilings = report["ceilings"]
+    lines = [
+        f"model   {report['model']}  device {report['device']}  dtype {report['dtype']}"
+        f"  commit {report['commit'] or '?'}",
+        f"ceilings  copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write)"
+        f"  matmul {ceilings['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s ({ceilings['matmul_dtype']})",
+        f"weights read per decode token (C=1, stored formats): "
+        f"{si(report['weight_bytes_per_token'])}B; "
+        f"linears execute as {report['executed_weights']}",
+        "",
+        f"{'engine':7} {'weights':8} {'test':14} {'C':>3} {'tok/s':>10} {'±':>8} "
+        f"{'SoL':>6} {'bound':6} {'step ms':>8} {'B/step':>8} {'TFLOP/s':>8}",
+    ]
+    for row in report["rows"]:
+        step = f"{row['decode_step_ms']:.2f}" if row["decode_step_ms"] is not None else "-"
+        gb = si(row["decode_bytes_per_step"]) if row["decode_bytes_per_step"] is not None else "-"
+        tflops = (
+            f"{row['prefill_flops_per_s'] / 1e12:.2f}"
+            if row["prefill_flops_per_s"] is not None
+            else "-"
+        )
+        lines.append(
+            f"{row['engine']:7} {row['weights']:8} {row['test']:14} {row['concurrency']:>3} "
+            f"{row['tokens_per_s']:>10.1f} {row['tokens_per_s_std']:>8.1f} "
+            f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {gb:>8} {tflops:>8}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""The engines a bench run times. `NinferTarget` drives an `EngineCore` step by step (scheduler,
+runner, sampler: everything a served request pays for) and times each step; `HFTarget` runs
+transformers on the same shape as the peer row. Both return the same `StepRecord`s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ninfer.bench.cases import BenchCase, StepRecord
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.request import GenerationRequest, SamplingParams
+
+
+def random_prompts(case: BenchCase, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (case.concurrency, case.prompt_tokens), generator=generator)
+    return ids.tolist()
+
+
+def random_weights(
+    config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random tensors for every text weight of `config`, by logical name, made on `device`
+    (matrices ~ N(0, 1/K), so activations stay in range through real depths; 1-D weights small)."""
+    from ninfer.models.qwen3_5 import Qwen3_5Config, logical_name
+    from ninfer.models.registry import model_class
+
+    cls = model_class(config)
+    parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
+    with torch.device("meta"):
+        skeleton = cls(parsed, with_mtp=False, device="meta")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, param in skeleton.named_parameters():
+        value = torch.empty(param.shape, device=device, dtype=dtype)
+        if name.endswith(("A_log", "dt_bias")):
+            value.normal_(0.0, 0.5, generator=generator)
+        elif param.dim() >= 2 and not name.endswith("conv1d.weight"):
+            value.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+        else:
+            value.normal_(0.0, 0.1, generator=generator)
+        tensors[logical_name(name)] = value
+    return tensors
+
+
+def random_model(config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from ninfer.models.registry import load_model
+    from ninfer.models.weights import StateDictSource
+
+    source = StateDictSource(random_weights(config, device, dtype, seed))
+    return load_model(source, config, device=device, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class NinferTarget:
+    """Our engine over a loaded model; pools sized for the largest case."""
+
+    name = "ninfer"
+
+    def __init__(self, model, cases: list[BenchCase], prefill_chunk: int) -> None:
+        from ninfer.engine.engine import build_core
+
+        longest = max(c.prompt_tokens + c.decode_steps + 1 for c in cases)
+        lanes = max(c.concurrency for c in cases)
+        config = EngineConfig(
+            max_context=longest,
+            max_concurrency=lanes,
+            max_pending_requests=0,
+            kv_capacity=longest * lanes,
+            prefill_chunk=prefill_chunk,
+        )
+        self.core = build_core(model, config)  # no eos ids: every request runs its full length
+        self.recorder = _RecordingRunner(self.core.runner)
+        self.core.runner = self.recorder
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+
+    def run_case(self, case: BenchCase, seed: int) -> list[StepRecord]:
+        core = self.core
+        # max_tokens counts the token the prefill samples; then one per decode step
+        params = SamplingParams.greedy(max_tokens=case.decode_steps + 1, ignore_eos=True)
+        for ids in random_prompts(case, self.vocab_size, seed):
+            core.add(GenerationRequest(ids, params, detokenize=False), lambda event: None)
+        records: list[StepRecord] = []
+        _sync(self.device)
+        while core.has_work:
+            start = time.perf_counter()
+            ran = core.step()
+            seconds = time.perf_counter() - start  # a step ends on a host sync (the token ids)
+            if ran:
+                batch = self.recorder.last
+                records.append(
+                    StepRecord(
+                        is_decode=batch.is_decode,
+                        context_lens=batch.context_lens,
+                        query_lens=tuple(batch.query_lens),
+                        sampled=tuple(batch.sampled),
+                        seconds=seconds,
+                    )
+                )
+        core.check_integrity()
+        return records
+
+
+@dataclass(slots=True)
+class _BatchShape:
+    is_decode: bool
+    context_lens: tuple[int, ...]
+    query_lens: list[int]
+    sampled: list[bool]
+
+
+class _RecordingRunner:
+    """The engine's runner, noting the shape of the batch it ran last (sequences' cached
+    lengths are read before the step advances them)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.last: _BatchShape | None = None
+
+    def run(self, batch):
+        self.last = _BatchShape(
+            batch.is_decode,
+            tuple(seq.num_cached for seq in batch.seqs),
+            batch.query_lens,
+            batch.sampled,
+        )
+        return self.runner.run(batch)
+
+
+class HFTarget:
+    """transformers' model class on the same config, random bf16 weights, its own cache:
+    a prefill forward over the [C, P] batch, then greedy decode steps one token at a time."""
+
+    name = "hf"
+
+    def __init__(self, config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+        import transformers
+
+        text = dict(config.get("text_config") or config)
+        is_moe = "num_experts" in text
+        config_class = (
+            transformers.Qwen3_5MoeTextConfig if is_moe else transformers.Qwen3_5TextConfig
+        )
+        model_class = (
+            transformers.Qwen3_5MoeForCausalLM if is_moe else transformers.Qwen3_5ForCausalLM
+        )
+        fields = {k: v for k, v in text.items() if k not in ("model_type", "architectures")}
+        hf_config = config_class(**fields)
+        if device.type == "cpu":
+            hf_config._experts_implementation = "eager"  # grouped_mm needs CUDA
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = model_class(hf_config).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.device = device
+        self.vocab_size = hf_config.vocab_size
+
+    @torch.inference_mode()
+    def run_case(self, case: BenchCase, seed: int) -> list[StepRecord]:
+        from transformers import DynamicCache
+
+        ids = torch.tensor(random_prompts(case, self.vocab_size, seed), device=self.device)
+        batch, prompt = ids.shape
+        cache = DynamicCache(config=self.model.config)
+        records = []
+        _sync(self.device)
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token.cpu()
+        records.append(
+            StepRecord(
+                False,
+                (0,) * batch,
+                (prompt,) * batch,
+                (True,) * batch,
+                time.perf_counter() - start,
+            )
+        )
+        for step in range(case.decode_steps):
+            start = time.perf_counter()
+            out = self.model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token.cpu()
+            records.append(
+                StepRecord(
+                    True,
+                    (prompt + step,) * batch,
+                    (1,) * batch,
+                    (True,) * batch,
+                    time.perf_counter() - start,
+                )
+            )
+        return records
