@@ -21,7 +21,9 @@ class EngineConfig:
     requests, or "auto" for the largest pool that fits next to the weights (on CPU, enough for
     every lane at `max_context`). `prefill_chunk`: prompt tokens processed per step.
     `default_max_tokens`: output limit of a request that sets none (None: up to `max_context`).
-    `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU.
+    `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU. `tensor_parallel`: ranks
+    the model is split over (one process each; docs/parallel.md), `expert_parallel`: split the
+    MoE experts whole across those ranks instead of slicing each one.
     """
 
     max_context: int = 4096
@@ -34,6 +36,8 @@ class EngineConfig:
     dtype: str | None = None
     device: str | None = None
     kv_headroom_bytes: int = 1 << 30
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -58,6 +62,12 @@ class EngineConfig:
                 )
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ConfigError(f"default_max_tokens = {self.default_max_tokens} must be >= 1")
+        if self.tensor_parallel < 1:
+            raise ConfigError(f"tensor_parallel = {self.tensor_parallel} must be >= 1")
+        if self.expert_parallel and self.tensor_parallel < 2:
+            raise ConfigError(
+                "expert_parallel needs tensor_parallel >= 2 (experts split over ranks)"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype = {self.dtype!r} must be float32, bfloat16 or float16")
 

@@ -311,6 +311,7 @@ class Engine:
                     kind, payload = command
                     if kind == "close":
                         core.fail_all(EngineClosed("the engine was closed"))
+                        core.runner.close()
                         return
                     if kind == "add":
                         self._add(*payload)
@@ -476,16 +477,26 @@ def load_core(path: Path, config: EngineConfig) -> EngineCore:
 
     if not path.is_file():
         raise NinferError(f"model file not found: {path}")
+    if config.tensor_parallel > 1:
+        from ninfer.parallel.launch import load_parallel_core
+
+        return load_parallel_core(path, config)
     device, dtype = resolve_device(config)
     artifact = Artifact.open(path)
     model = load_model(artifact, artifact.config(), device=device, dtype=dtype)
+    frontend, eos = load_frontend(artifact)
+    return build_core(model, config, frontend=frontend, eos_token_ids=eos)
+
+
+def load_frontend(artifact: Any) -> tuple[Any, tuple[int, ...]]:
+    """The artifact's chat frontend (None without a tokenizer) and its stop token ids."""
     frontend = None
     if artifact.resource("tokenizer") is not None:
         from ninfer.chat.frontend import ChatFrontend
 
         frontend = ChatFrontend.from_artifact(artifact)
     eos = frontend.stop_token_ids if frontend is not None else artifact_eos_ids(artifact)
-    return build_core(model, config, frontend=frontend, eos_token_ids=eos)
+    return frontend, tuple(eos)
 
 
 def artifact_eos_ids(artifact: Any) -> tuple[int, ...]:
@@ -506,10 +517,13 @@ def build_core(
     *,
     frontend: Any = None,
     eos_token_ids: Sequence[int] = (),
+    num_pages: int | None = None,
 ) -> EngineCore:
+    """The core over a loaded model; `num_pages` (default: `pool_pages`) sizes the K/V pool."""
     spec = model.cache_spec()
     device, dtype = model.device, model.dtype
-    num_pages = pool_pages(config, spec.page_bytes(dtype), device)
+    if num_pages is None:
+        num_pages = pool_pages(config, spec.page_bytes(dtype), device)
     cache = ModelCache(spec, num_pages, config.max_concurrency, device=device, dtype=dtype)
     log.info("KV pool: %d pages of %d tokens", num_pages, PAGE_SIZE)
     return EngineCore(

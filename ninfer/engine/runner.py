@@ -16,6 +16,20 @@ from ninfer.models.context import make_context
 
 
 @dataclass(slots=True)
+class StepInputs:
+    """The host-side inputs of one forward: all a rank needs to run it (tensor-parallel
+    workers receive exactly this from rank 0)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    context_lens: list[int]
+    query_lens: list[int]
+    page_lists: list[list[int]]
+    state_slots: list[int]
+    logit_rows: list[int]  # flat token rows whose logits are sampled
+
+
+@dataclass(slots=True)
 class StepResult:
     """Host-side result: one token (and its logprobs when asked) per sampled sequence, in the
     order of the batch's sampled rows."""
@@ -42,18 +56,6 @@ class ModelRunner:
             else:
                 input_ids += seq.prompt_ids[start : start + n]
             positions += range(start, start + n)
-        ctx = make_context(
-            self.cache,
-            context_lens=[seq.num_cached for seq in batch.seqs],
-            query_lens=batch.query_lens,
-            page_lists=[seq.pages for seq in batch.seqs],
-            state_slots=[seq.state_slot for seq in batch.seqs],
-            device=self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, ctx)
-
         rows: list[int] = []
         sample_rows: list[SampleRow] = []
         end = 0
@@ -64,10 +66,18 @@ class ModelRunner:
                 sample_rows.append(
                     SampleRow(seq.request.params, seq.seed, len(seq.output_ids), seq.state_slot)
                 )
-        if not rows:
+        inputs = StepInputs(
+            input_ids,
+            positions,
+            context_lens=[seq.num_cached for seq in batch.seqs],
+            query_lens=list(batch.query_lens),
+            page_lists=[seq.pages for seq in batch.seqs],
+            state_slots=[seq.state_slot for seq in batch.seqs],
+            logit_rows=rows,
+        )
+        logits = self.forward(inputs)
+        if logits is None:
             return StepResult([], [])
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
         out = self.sampler.sample(logits, sample_rows)
         token_ids = out.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
@@ -84,3 +94,26 @@ class ModelRunner:
                     top = tuple(zip(top_ids[i][:n_top], top_lps[i][:n_top]))
                 logprobs[i] = TokenLogprob(token_ids[i], chosen[i], top)
         return StepResult(token_ids, logprobs)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model forward over one step; logits of `inputs.logit_rows` (None when there are
+        none, or on a tensor-parallel worker)."""
+        ctx = make_context(
+            self.cache,
+            context_lens=inputs.context_lens,
+            query_lens=inputs.query_lens,
+            page_lists=inputs.page_lists,
+            state_slots=inputs.state_slots,
+            device=self.device,
+        )
+        ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, ctx)
+        if not inputs.logit_rows:
+            return None
+        index = torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def close(self) -> None:
+        """Release what the runner holds beyond the model (tensor-parallel workers)."""

@@ -5,6 +5,10 @@ The two architectures differ only in the MLP of each layer.
 Parameter names inside the module are the logical tensor names without their component
 (`layers.3.self_attn.q_proj.weight` is `text/layers.3.self_attn.q_proj.weight`; `mtp.fc.weight`
 is `mtp/fc.weight`), so loading is a walk over `named_parameters()`.
+
+Tensor parallelism: a `Shard` (ninfer/parallel/shard.py) given at load says which heads, rows
+and experts this rank holds; layers are built with the rank's local sizes, each decoder block
+sums its row-parallel output over the ranks once, and the default `Shard()` is one whole rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ninfer.models.layers.moe import SparseMoE
 from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
 from ninfer.models.weights import WeightSource
+from ninfer.parallel.shard import Shard
 
 
 @dataclass(slots=True)
@@ -105,11 +110,15 @@ class Qwen3_5Config:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: h += mixer(norm(h)); h += mlp(norm(h))."""
+    """Pre-norm residual block: h += mixer(norm(h)); h += mlp(norm(h)). `config` holds this
+    rank's local sizes; the mixer and MLP outputs are partial sums over the ranks."""
 
-    def __init__(self, config: Qwen3_5Config, layer_type: str, cache_index: int) -> None:
+    def __init__(
+        self, config: Qwen3_5Config, layer_type: str, cache_index: int, shard: Shard
+    ) -> None:
         super().__init__()
         self.layer_type = layer_type
+        self.shard = shard
         c = config
         if layer_type == "full_attention":
             self.self_attn = Attention(
@@ -133,6 +142,7 @@ class DecoderLayer(nn.Module):
                 c.num_experts_per_tok,
                 c.moe_intermediate_size,
                 c.shared_expert_intermediate_size,
+                shard.experts(c.num_experts),
             )
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size)
@@ -142,10 +152,11 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, rotary, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
         if self.layer_type == "full_attention":
-            hidden = hidden + self.self_attn(normed, rotary, cos, sin, ctx)
+            mixed = self.self_attn(normed, rotary, cos, sin, ctx)
         else:
-            hidden = hidden + self.linear_attn(normed, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mixed = self.linear_attn(normed, ctx)
+        hidden = hidden + self.shard.all_reduce(mixed)
+        return hidden + self.shard.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class MultiTokenPredictor(nn.Module):
@@ -154,13 +165,19 @@ class MultiTokenPredictor(nn.Module):
     `h_t` is the main model's hidden state after its final norm; logits go through the shared
     head (`model.compute_logits`)."""
 
-    def __init__(self, config: Qwen3_5Config, cache_index: int, parent: Qwen3_5ForCausalLM):
+    def __init__(
+        self,
+        config: Qwen3_5Config,
+        cache_index: int,
+        parent: Qwen3_5ForCausalLM,
+        shard: Shard,
+    ):
         super().__init__()
         h = config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, config.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(config, "full_attention", cache_index)])
+        self.layers = nn.ModuleList([DecoderLayer(config, "full_attention", cache_index, shard)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self._parent = (parent,)  # a tuple, so the parent is not registered as a submodule
 
@@ -195,24 +212,33 @@ class Qwen3_5ForCausalLM(nn.Module):
         *,
         with_mtp: bool,
         device: torch.device | str = "cpu",
+        shard: Shard | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
+        self.config = config  # global sizes; `local_config` holds this rank's
+        self.shard = shard = shard or Shard()
+        self.local_config = local = shard.local_config(config)
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        if shard.world > 1:
+            from ninfer.parallel.embedding import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, shard)
+        else:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         layers, attention_count, gdn_count = [], 0, 0
         for layer_type in c.layer_types:
             if layer_type == "full_attention":
-                layers.append(DecoderLayer(c, layer_type, attention_count))
+                layers.append(DecoderLayer(local, layer_type, attention_count, shard))
                 attention_count += 1
             else:
-                layers.append(DecoderLayer(c, layer_type, gdn_count))
+                layers.append(DecoderLayer(local, layer_type, gdn_count, shard))
                 gdn_count += 1
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.mtp = MultiTokenPredictor(c, attention_count, self) if with_mtp else None
+            head_rows = len(shard.vocab_rows(c.vocab_size))
+            self.lm_head = nn.Linear(c.hidden_size, head_rows, bias=False)
+        self.mtp = MultiTokenPredictor(local, attention_count, self, shard) if with_mtp else None
         self.rotary = RotaryEmbedding(
             c.head_dim, c.partial_rotary_factor, c.rope_theta, c.mrope_section, device
         )
@@ -227,13 +253,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        shard: Shard | None = None,
     ) -> Qwen3_5ForCausalLM:
-        """Build on the meta device, then fill every parameter from `source` by logical name."""
+        """Build on the meta device, then fill every parameter from `source` by logical name
+        (with a `shard`, only this rank's slice of each tensor is kept)."""
         parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
         with torch.device("meta"):
-            model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device)
+            model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device, shard=shard)
         state = {
-            name: source.tensor(logical_name(name), dtype=dtype).to(device=device, dtype=dtype)
+            name: model.shard.slice_parameter(
+                name, source.tensor(logical_name(name), dtype=dtype), parsed
+            ).to(device=device, dtype=dtype)
             for name, _ in model.named_parameters()
         }
         model.load_state_dict(state, assign=True, strict=True)
@@ -250,7 +280,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.embed_tokens.weight.device
 
     def cache_spec(self) -> CacheSpec:
-        c = self.config
+        """This rank's cache shapes (its KV heads and GDN heads)."""
+        c = self.local_config
         key_dim = c.linear_num_key_heads * c.linear_key_head_dim
         return CacheSpec(
             num_attention_layers=self._num_attention_layers,
@@ -277,9 +308,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.norm(hidden)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 [N, V]; with tensor parallelism the whole rows exist on rank 0 only (None on
+        the other ranks, which still take part in the gather)."""
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        return self.shard.gather_logits(F.linear(hidden, head).float(), self.config.vocab_size)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

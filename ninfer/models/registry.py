@@ -9,6 +9,7 @@ import torch
 from ninfer.errors import UnsupportedModelError
 from ninfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ninfer.models.weights import WeightSource
+from ninfer.parallel.shard import Shard
 
 MODEL_TYPES: dict[str, type[Qwen3_5ForCausalLM]] = {
     "qwen3_5": Qwen3_5ForCausalLM,
@@ -43,9 +44,11 @@ def load_model(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    shard: Shard | None = None,
 ) -> Qwen3_5ForCausalLM:
     """Load the model for `config` (default: the source's own text config, for an Artifact)
-    with weights from `source` by logical name, in `dtype` on `device`."""
+    with weights from `source` by logical name, in `dtype` on `device`; with a `shard`, only
+    this rank's part (ninfer/parallel/shard.py)."""
     if config is None:
         config = source.config()  # type: ignore[attr-defined]
-    return model_class(config).from_source(source, config, device=device, dtype=dtype)
+    return model_class(config).from_source(source, config, device=device, dtype=dtype, shard=shard)

@@ -1,6 +1,7 @@
 """Qwen3.5 sparse MoE: fp32 softmax over all experts, top-k, renormalise, cast to the model
 dtype; SwiGLU experts stored stacked (`gate_up_proj` [E, 2I, H] gate rows first, `down_proj`
-[E, H, I]); plus a shared SwiGLU expert scaled by sigmoid(x . w_shared_gate)."""
+[E, H, I]); plus a shared SwiGLU expert scaled by sigmoid(x . w_shared_gate).
+With expert parallelism a rank holds a contiguous block of the experts and adds only theirs."""
 
 import torch
 import torch.nn.functional as F
@@ -10,8 +11,10 @@ from ninfer.models.layers.mlp import MLP
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, experts: range, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.first = experts.start  # global id of local expert 0
+        num_experts = len(experts)
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -23,10 +26,14 @@ class Experts(nn.Module):
         """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in the model
         dtype, expert by expert in id order, as the transformers reference does."""
         out = torch.zeros_like(x)
+        held = range(self.first, self.first + self.gate_up_proj.shape[0])
         for expert in experts.unique().tolist():
+            if expert not in held:
+                continue
             token, choice = (experts == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            local = expert - self.first
+            gate, up = F.linear(x[token], self.gate_up_proj[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[local])
             out.index_add_(0, token, y * weights[token, choice, None])
         return out
 
@@ -39,11 +46,13 @@ class SparseMoE(nn.Module):
         top_k: int,
         intermediate_size: int,
         shared_intermediate_size: int,
+        held_experts: range | None = None,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        held = range(num_experts) if held_experts is None else held_experts
+        self.experts = Experts(held, hidden_size, intermediate_size)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 

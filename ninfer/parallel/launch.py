@@ -1,0 +1,386 @@
+"""Starting a tensor-parallel engine: one process per rank, either spawned by ninfer itself
+(rank 0 is the calling process; ranks 1..N-1 are `torch.multiprocessing` spawn children) or
+started by torchrun (every rank runs the same command; ranks other than 0 turn into workers
+inside `Engine` construction and exit when rank 0 closes).
+
+Every rank opens the artifact and keeps its own slice (`Shard`); the pools are sized per rank
+and all ranks agree on the smallest page count. Rank 0 returns an `EngineCore` whose runner
+broadcasts each step to the workers (`ParallelRunner`).
+
+A rank that dies must not leave the others hanging: rank 0 watches its spawned workers and ends
+the whole process with an error as soon as one exits unasked (`RankWatchdog`), workers exit
+when rank 0 goes away, and every model collective has a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing.connection
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.core import EngineCore
+from ninfer.engine.kv_pool import ModelCache, StateSlotAllocator
+from ninfer.engine.runner import ModelRunner, StepInputs
+from ninfer.errors import ConfigError, NinferError
+from ninfer.parallel.channel import StepChannel
+from ninfer.parallel.shard import Shard
+
+log = logging.getLogger("ninfer.parallel")
+
+# NVLink multicast (NVLS / symmetric-memory multicast) stays off on every rank
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# a model collective that waits longer than this fails (a rank is stuck or gone)
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("NINFER_COLLECTIVE_TIMEOUT_S", "300"))
+# the step channel waits as long as rank 0 has nothing to run
+IDLE_TIMEOUT = timedelta(days=365)
+RANK_FAILED_EXIT = 1
+
+
+class RankFailed(NinferError):
+    """Another rank of the tensor-parallel group died or stopped answering."""
+
+
+@dataclass(slots=True)
+class ParallelGroup:
+    """The ranks of one model: `device_group` carries the model's collectives (NCCL on GPU,
+    gloo on CPU, bounded timeout), `control_group` the step channel (gloo on CPU)."""
+
+    rank: int
+    world: int
+    device_group: Any
+    control_group: Any
+
+
+def set_collective_env() -> None:
+    os.environ.update(NCCL_ENV)
+
+
+def init_group(rank: int, world: int, init_method: str, device: torch.device) -> ParallelGroup:
+    set_collective_env()
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        device_id=device if device.type == "cuda" else None,
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return ParallelGroup(rank, world, dist.group.WORLD, control)
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> tuple[torch.device, torch.dtype]:
+    from ninfer.engine.engine import resolve_device
+
+    device, dtype = resolve_device(config)
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"tensor-parallel rank {local_rank} needs GPU {local_rank}; "
+                f"{torch.cuda.device_count()} present"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device, dtype
+
+
+# ---- one rank ------------------------------------------------------------------------------
+
+
+class HandedOutSlots(StateSlotAllocator):
+    """Rank 0's slot allocator: remembers the slots it hands out (and so zeroes) until the next
+    step tells the workers to zero them too."""
+
+    def __init__(self, num_slots: int, tensors) -> None:
+        super().__init__(num_slots, tensors)
+        self.handed_out: list[int] = []
+
+    def allocate(self, owner) -> int:
+        slot = super().allocate(owner)
+        self.handed_out.append(slot)
+        return slot
+
+    def take_handed_out(self) -> list[int]:
+        slots, self.handed_out = self.handed_out, []
+        return slots
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0's runner: sends each step to the workers, then runs its own share of it."""
+
+    def __init__(self, model, cache, sampler, channel: StepChannel, on_close=None) -> None:
+        super().__init__(model, cache, sampler)
+        self.channel = channel
+        self._on_close = on_close
+        self._closed = False
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        self.channel.send(inputs, self.cache.slots.take_handed_out())
+        return super().forward(inputs)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.channel.send_stop()
+        except Exception as exc:  # a worker already gone: the watchdog reports it
+            log.warning("could not stop the tensor-parallel workers: %r", exc)
+        if self._on_close is not None:
+            self._on_close()
+
+
+class Worker:
+    """A rank > 0: runs every step rank 0 sends until it says stop."""
+
+    def __init__(self, model, cache: ModelCache, channel: StepChannel) -> None:
+        self.runner = ModelRunner(model, cache, sampler=None)
+        self.cache = cache
+        self.channel = channel
+
+    def serve(self) -> None:
+        slot_tensors = [*self.cache.gdn_state, *self.cache.conv_window]
+        while (step := self.channel.receive()) is not None:
+            inputs, fresh_slots = step
+            for slot in fresh_slots:
+                for tensor in slot_tensors:
+                    tensor[slot].zero_()
+            self.runner.forward(inputs)
+
+
+def load_rank(
+    path: Path,
+    config: EngineConfig,
+    group: ParallelGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+    on_close=None,
+) -> EngineCore | Worker:
+    """Load this rank's slice of the model and its pools; rank 0 gets the engine core."""
+    from ninfer.artifact import Artifact
+    from ninfer.engine.engine import build_core, load_frontend, pool_pages
+    from ninfer.models.registry import load_model
+
+    shard = Shard(group.rank, group.world, config.expert_parallel, group.device_group)
+    artifact = Artifact.open(path)
+    model = load_model(artifact, artifact.config(), device=device, dtype=dtype, shard=shard)
+    spec = model.cache_spec()
+    pages = torch.tensor([pool_pages(config, spec.page_bytes(dtype), device)])
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=group.control_group)
+    num_pages = int(pages.item())
+    channel = StepChannel(group.control_group)
+    if group.rank != 0:
+        cache = ModelCache(spec, num_pages, config.max_concurrency, device=device, dtype=dtype)
+        return Worker(model, cache, channel)
+    frontend, eos = load_frontend(artifact)
+    core = build_core(model, config, frontend=frontend, eos_token_ids=eos, num_pages=num_pages)
+    cache = core.cache
+    cache.slots = HandedOutSlots(cache.num_slots, [*cache.gdn_state, *cache.conv_window])
+    core.runner = ParallelRunner(model, cache, core.sampler, channel, on_close)
+    return core
+
+
+def check_shardable(path: Path, config: EngineConfig) -> None:
+    """Refuse a split the model's shapes do not allow before any process is started."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5 import Qwen3_5Config
+    from ninfer.models.registry import model_class
+
+    hf_config = Artifact.open(path).config()
+    parsed = Qwen3_5Config.from_hf(hf_config, is_moe=model_class(hf_config).is_moe)
+    if config.expert_parallel and not parsed.is_moe:
+        raise ConfigError("--expert-parallel needs a MoE model")
+    for rank in range(config.tensor_parallel):
+        shard = Shard(rank, config.tensor_parallel, config.expert_parallel)
+        shard.local_config(parsed)
+        if parsed.is_moe:
+            shard.experts(parsed.num_experts)
+
+
+# ---- starting the ranks --------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def load_parallel_core(path: Path, config: EngineConfig) -> EngineCore:
+    """Rank 0's engine core over `config.tensor_parallel` ranks (spawned here or by torchrun)."""
+    check_shardable(path, config)
+    if under_torchrun():
+        return _torchrun_rank(path, config)
+    return _spawn_ranks(path, config)
+
+
+def _torchrun_rank(path: Path, config: EngineConfig) -> EngineCore:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel:
+        raise ConfigError(
+            f"torchrun started {world} processes but --tensor-parallel is {config.tensor_parallel}"
+        )
+    device, dtype = rank_device(config, int(os.environ.get("LOCAL_RANK", rank)))
+    group = init_group(rank, world, "env://", device)
+    loaded = load_rank(path, config, group, device, dtype, on_close=dist.destroy_process_group)
+    if isinstance(loaded, EngineCore):
+        return loaded
+    _serve_worker(loaded, rank)
+    dist.destroy_process_group()
+    raise SystemExit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_ranks(path: Path, config: EngineConfig) -> EngineCore:
+    import torch.multiprocessing as mp
+
+    set_collective_env()
+    world = config.tensor_parallel
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    workers = [
+        context.Process(
+            target=_worker_main,
+            args=(rank, world, init_method, str(path), dataclasses.asdict(config), os.getpid()),
+            name=f"ninfer-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, world)
+    ]
+    for process in workers:
+        process.start()
+    watchdog = RankWatchdog(workers)
+    try:
+        device, dtype = rank_device(config, 0)
+        group = init_group(0, world, init_method, device)
+        core = load_rank(path, config, group, device, dtype, on_close=watchdog.stop)
+    except BaseException:
+        watchdog.stop(graceful=False)
+        raise
+    assert isinstance(core, EngineCore)
+    return core
+
+
+def _worker_main(
+    rank: int,
+    world: int,
+    init_method: str,
+    path: str,
+    config_fields: dict[str, Any],
+    parent_pid: int,
+) -> None:
+    _exit_with_parent(parent_pid, rank)
+    config = EngineConfig(**config_fields)
+    device, dtype = rank_device(config, rank)
+    if device.type == "cpu":  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        group = init_group(rank, world, init_method, device)
+        worker = load_rank(Path(path), config, group, device, dtype)
+    except Exception as exc:
+        print(f"ninfer: tensor-parallel rank {rank} failed to load: {exc}", file=sys.stderr)
+        os._exit(RANK_FAILED_EXIT)
+    assert isinstance(worker, Worker)
+    _serve_worker(worker, rank)
+    dist.destroy_process_group()
+
+
+def _serve_worker(worker: Worker, rank: int) -> None:
+    try:
+        worker.serve()
+    except Exception as exc:  # rank 0 or a peer went away mid-step
+        print(f"ninfer: tensor-parallel rank {rank} stopped: {exc}", file=sys.stderr, flush=True)
+        os._exit(RANK_FAILED_EXIT)
+
+
+def _exit_with_parent(parent_pid: int, rank: int) -> None:
+    """A spawned worker whose rank 0 is gone has nothing left to do."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        print(f"ninfer: tensor-parallel rank {rank}: rank 0 is gone", file=sys.stderr, flush=True)
+        os._exit(RANK_FAILED_EXIT)
+
+    threading.Thread(target=watch, name="ninfer-parent-watch", daemon=True).start()
+
+
+class RankWatchdog:
+    """Rank 0's watch over its spawned workers: one that exits while the engine runs ends
+    this process with a clear error (a server or a CLI run cannot go on with a missing rank,
+    and its collectives would otherwise wait for it)."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="ninfer-rank-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.workers, start=1)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._stopping.is_set():
+            return
+        rank, process = sentinels[ready[0]]
+        process.join(timeout=1)
+        print(
+            f"ninfer: error: tensor-parallel rank {rank} (pid {process.pid}) exited with "
+            f"{_describe_exit(process.exitcode)}; stopping all ranks",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._kill_all()
+        os._exit(RANK_FAILED_EXIT)
+
+    def _kill_all(self) -> None:
+        for process in self.workers:
+            if process.is_alive():
+                process.kill()
+
+    def stop(self, graceful: bool = True) -> None:
+        """The engine is closing: let the workers finish (they were told to stop)."""
+        self._stopping.set()
+        deadline = time.monotonic() + (10.0 if graceful else 0.0)
+        for process in self.workers:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
