@@ -137,11 +137,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     for peer in options.peers:
         if peer != "hf":
             raise ConfigError(f"unknown peer {peer!r} (known: hf)")
+        # transformers holds every weight in the run's dtype
+        dense = "fp32" if dtype == torch.float32 else "bf16"
         peer_traffic = Traffic(
-            config, lambda name, shape: "bf16", kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
+            config,
+            lambda name, shape, dense=dense: dense,
+            kv_itemsize=kv_itemsize,
+            conv_itemsize=kv_itemsize,
         )
         target = HFTarget(config, device, dtype)
-        rows += _time_cases(target, options.cases, options, peer_traffic, ceilings, "bf16")
+        rows += _time_cases(target, options.cases, options, peer_traffic, ceilings, dense)
         del target
         gc.collect()
 

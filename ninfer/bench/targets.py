@@ -12,6 +12,7 @@ import torch
 
 from ninfer.bench.cases import BenchCase, StepRecord
 from ninfer.engine.config import EngineConfig
+from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.engine.request import GenerationRequest, SamplingParams
 
 
@@ -74,7 +75,7 @@ class NinferTarget:
             max_context=longest,
             max_concurrency=lanes,
             max_pending_requests=0,
-            kv_capacity=longest * lanes,
+            kv_capacity=-(-longest // PAGE_SIZE) * PAGE_SIZE * lanes,  # whole pages per lane
             prefill_chunk=prefill_chunk,
         )
         self.core = build_core(model, config)  # no eos ids: every request runs its full length

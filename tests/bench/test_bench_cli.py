@@ -1,0 +1,117 @@
+"""`ninfer bench` end to end on the CPU: tiny shapes with random weights, a tiny `.ninfer`
+file, the transformers peer, and the rows' bookkeeping (steps counted, ratios, tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ninfer.bench.cases import BenchCase, Ceilings, StepRecord, make_cases, summarize
+from ninfer.bench.shapes import SHAPES
+from ninfer.bench.traffic import Traffic, profile_formats
+from ninfer.cli.main import main
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["bench", *argv, "-o", "json", "--device", "cpu"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_tiny_shape_reports_every_case_with_its_ratio(capsys):
+    report = run_json(
+        capsys,
+        *("--shape", "tiny", "--weights", "q8", "-p", "8", "-n", "4", "-pg", "6,3"),
+        *("-r", "2", "--warmup", "0", "--concurrency", "1,2"),
+    )
+    tests = [(row["test"], row["concurrency"]) for row in report["rows"]]
+    assert tests == [
+        ("pp8", 1),
+        ("pp8", 2),
+        ("tg4", 1),
+        ("tg4", 2),
+        ("pp6+tg3", 1),
+        ("pp6+tg3", 2),
+    ]
+    for row in report["rows"]:
+        assert row["engine"] == "ninfer" and row["weights"] == "q8"
+        assert row["tokens_per_s"] > 0 and 0 < row["speed_of_light"] < 1
+        assert row["repetitions"] == 2
+    assert report["ceilings"]["copy_bytes_per_s"] > 0
+    assert report["ceilings"]["matmul_flops_per_s"] > 0
+    assert report["stored_weight_bytes"]["q8_g32_fp16"] > 0
+    by_test = {(row["test"], row["concurrency"]): row for row in report["rows"]}
+    assert by_test[("pp8", 1)]["decode_step_ms"] is None
+    assert by_test[("tg4", 1)]["prefill_flops_per_s"] is None
+    # two sequences read more state and KV per step than one
+    assert (
+        by_test[("tg4", 2)]["decode_bytes_per_step"] > by_test[("tg4", 1)]["decode_bytes_per_step"]
+    )
+
+
+def test_table_output_on_a_moe_shape(capsys):
+    argv = ["bench", "--shape", "tiny-moe", "-n", "3", "-r", "1", "--warmup", "0"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "ceilings  copy" in out
+    assert "tg3" in out and "copy" in out
+
+
+def test_a_ninfer_file_is_benched_with_its_stored_formats(capsys, tiny_artifact):
+    _, artifact_path = tiny_artifact(weights="groupwise-int")
+    report = run_json(capsys, str(artifact_path), "-n", "2", "-r", "1", "--warmup", "0")
+    assert report["rows"][0]["weights"] == "artifact"
+    assert "q4_g64_fp16" in report["stored_weight_bytes"]
+
+
+def test_hf_peer_rows_follow_ours(capsys):
+    pytest.importorskip("transformers")
+    report = run_json(
+        capsys, "--shape", "tiny", "-p", "4", "-n", "2", "-r", "1", "--warmup", "0", "--peer", "hf"
+    )
+    assert [(r["engine"], r["test"]) for r in report["rows"]] == [
+        ("ninfer", "pp4"),
+        ("ninfer", "tg2"),
+        ("hf", "pp4"),
+        ("hf", "tg2"),
+    ]
+    assert all(r["weights"] == "fp32" for r in report["rows"] if r["engine"] == "hf")
+
+
+def test_a_file_or_a_shape_is_required(capsys):
+    assert main(["bench", "-n", "2"]) == 1
+    assert "--shape" in capsys.readouterr().err
+
+
+def test_rows_count_decode_steps_for_tg_and_prefill_steps_for_pp():
+    traffic = Traffic(SHAPES["tiny"], profile_formats(SHAPES["tiny"], "bf16"))
+    ceilings = Ceilings(copy_bytes_per_s=1e9, matmul_flops_per_s=1e9, matmul_dtype="float32")
+    prefill = StepRecord(False, (0, 0), (1, 1), (True, True), 1.0)
+    decodes = [StepRecord(True, (1 + i, 1 + i), (1, 1), (True, True), 0.5) for i in range(4)]
+    tg = summarize(
+        "ninfer", "bf16", BenchCase("tg", 1, 4, 2), [[prefill, *decodes]], traffic, ceilings
+    )
+    assert tg.tokens_per_s == pytest.approx(2 * 4 / 2.0)  # 8 tokens over the 4 decode steps
+    floor = sum(traffic.decode_bytes(s.context_lens).total for s in decodes) / 1e9
+    assert tg.speed_of_light == pytest.approx(floor / 2.0)
+    assert tg.decode_step_ms == pytest.approx(500.0)
+    pg = summarize(
+        "ninfer", "bf16", BenchCase("pg", 1, 4, 2), [[prefill, *decodes]], traffic, ceilings
+    )
+    assert pg.tokens_per_s == pytest.approx(2 * 5 / 3.0)
+    flops = traffic.prefill_flops((0, 0), (1, 1), (True, True))
+    assert pg.speed_of_light == pytest.approx((floor + flops / 1e9) / 3.0)
+
+
+def test_make_cases_crosses_tests_with_concurrency():
+    cases = make_cases([512, 4096], [128], [(2048, 128)], [1, 8])
+    assert [(c.label, c.concurrency) for c in cases] == [
+        ("pp512", 1),
+        ("pp512", 8),
+        ("pp4096", 1),
+        ("pp4096", 8),
+        ("tg128", 1),
+        ("tg128", 8),
+        ("pp2048+tg128", 1),
+        ("pp2048+tg128", 8),
+    ]
