@@ -17,6 +17,7 @@ import math
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
+from ninfer.bench.ceilings import copy_bandwidth
 from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import (
     causal_conv1d_triton,
@@ -55,16 +56,6 @@ def rotating(calls):
         state["i"] += 1
 
     return run
-
-
-def copy_bandwidth() -> float:
-    """Bytes read plus bytes written per second by a 2 GiB device copy."""
-    src = torch.randn(2**29, device=DEVICE)
-    dst = torch.empty_like(src)
-    # Plain launches: inside a CUDA graph the copy becomes a copy-engine node, measured at about
-    # two thirds of what the SMs' copy kernel reaches.
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
 def bench_attention(batch: int, context: int):
@@ -154,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-    copy = copy_bandwidth()
+    copy = copy_bandwidth(DEVICE)
     rows = [
         bench_attention(1, 32768),
         bench_attention(8, 4096),
