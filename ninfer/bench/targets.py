@@ -136,6 +136,9 @@ class _RecordingRunner:
         )
         return self.runner.run(batch)
 
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)  # everything else (close, ...) is the runner's
+
 
 class HFTarget:
     """transformers' model class on the same config, random bf16 weights, its own cache:
