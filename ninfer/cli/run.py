@@ -33,6 +33,8 @@ class RunSettings:
     max_tokens: int = 128
     device: str | None = None
     dtype: str | None = None
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
     greedy: bool = False
     temperature: float | None = None
     top_p: float | None = None
@@ -99,6 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     device.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, float32 on cpu"
+    )
+    device.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="split the model over N processes, one GPU each (default 1; docs/parallel.md)",
+    )
+    device.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        default=None,
+        help="MoE: split the experts whole over the tensor-parallel ranks",
     )
 
     sampling = parser.add_argument_group("sampling (override the model's preset)")
@@ -179,6 +193,8 @@ def _engine_config(args: RunSettings):
         prefill_chunk=args.prefill_chunk,
         dtype=args.dtype,
         device=args.device,
+        tensor_parallel=args.tensor_parallel,
+        expert_parallel=args.expert_parallel,
     )
 
 

@@ -78,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _flag(model, "--device", str, "torch device (default: cuda when present, else cpu)")
     _flag(model, "--dtype", str, "weights and activations: bfloat16, float16 or float32")
+    _flag(
+        model,
+        "--tensor-parallel",
+        int,
+        "split the model over N processes, one GPU each (default 1; docs/parallel.md)",
+        "N",
+    )
+    _switch(model, "--expert-parallel", "MoE: split the experts whole over the tensor-parallel ranks")
     prompt = parser.add_argument_group("prompt defaults")
     _switch(prompt, "--no-thinking", "requests that do not ask for thinking get none")
     _switch(prompt, "--preserve-thinking", "keep reasoning of earlier turns in the prompt")

@@ -275,6 +275,7 @@ def _spawn_ranks(path: Path, config: EngineConfig) -> EngineCore:
     watchdog = RankWatchdog(workers)
     try:
         device, dtype = rank_device(config, 0)
+        _share_cores(device, world)
         group = init_group(0, world, init_method, device)
         core = load_rank(path, config, group, device, dtype, on_close=watchdog.stop)
     except BaseException:
@@ -295,8 +296,7 @@ def _worker_main(
     _exit_with_parent(parent_pid, rank)
     config = EngineConfig(**config_fields)
     device, dtype = rank_device(config, rank)
-    if device.type == "cpu":  # ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _share_cores(device, world)
     try:
         group = init_group(rank, world, init_method, device)
         worker = load_rank(Path(path), config, group, device, dtype)
@@ -306,6 +306,13 @@ def _worker_main(
     assert isinstance(worker, Worker)
     _serve_worker(worker, rank)
     dist.destroy_process_group()
+
+
+def _share_cores(device: torch.device, world: int) -> None:
+    """On CPU the ranks split the cores; more threads than cores makes every collective wait
+    for a descheduled peer."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
 def _serve_worker(worker: Worker, rank: int) -> None:

@@ -29,6 +29,8 @@ def engine_config(settings: ServeSettings):
         default_max_tokens=settings.default_max_tokens,
         device=settings.device,
         dtype=settings.dtype,
+        tensor_parallel=settings.tensor_parallel,
+        expert_parallel=settings.expert_parallel,
     )
 
 

@@ -43,6 +43,8 @@ class ServeSettings:
     log_stats_interval_ms: int = 5000
     device: str | None = None
     dtype: str | None = None
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

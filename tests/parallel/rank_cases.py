@@ -1,0 +1,72 @@
+"""The body of each rank of the shared test world: every tensor-parallel case runs on a
+subgroup of the first N ranks of one spawned gloo world, so the processes start once."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.core import EngineCore
+from ninfer.engine.request import GenerationRequest, SamplingParams
+from ninfer.parallel.launch import ParallelGroup, load_rank
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def greedy_tokens(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Run every prompt to `max_tokens` greedy tokens through `core`, all at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        outputs[f"r{i}"] = []
+        core.add(
+            GenerationRequest(prompt, params, request_id=f"r{i}", detokenize=False),
+            lambda event: outputs[event.request_id].extend(event.token_ids),
+        )
+    while core.has_work:
+        core.step()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def engine_config(world: int, expert_parallel: bool) -> EngineConfig:
+    return EngineConfig(
+        max_context=256,
+        max_concurrency=2,  # three prompts: the third is admitted into a reused state slot
+        prefill_chunk=16,
+        device="cpu",
+        dtype="float32",
+        tensor_parallel=world,
+        expert_parallel=expert_parallel,
+    )
+
+
+def run_cases(rank: int, world: int, init_method: str, cases: list[dict], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT
+    )
+    for case in cases:
+        size = case["world"]
+        ranks = list(range(size))
+        device_group = dist.new_group(ranks, timeout=TIMEOUT)
+        control_group = dist.new_group(ranks, timeout=TIMEOUT)
+        if rank < size:
+            group = ParallelGroup(rank, size, device_group, control_group)
+            config = engine_config(size, case["expert_parallel"])
+            loaded = load_rank(
+                Path(case["path"]), config, group, torch.device("cpu"), torch.float32
+            )
+            if rank == 0:
+                tokens = greedy_tokens(loaded, case["prompts"], case["max_tokens"])
+                loaded.runner.close()
+                loaded.check_integrity()
+                Path(out_dir, f"{case['name']}.json").write_text(json.dumps(tokens))
+            else:
+                loaded.serve()
+        dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,212 @@
+"""Tensor and expert parallelism on CPU with gloo: every split gives the same greedy tokens as
+one process on tiny random fp32 models (dense and MoE), and the launch path fails fast and
+clearly when a rank dies or the model cannot be split."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import convert_tiny
+from rank_cases import engine_config, greedy_tokens, run_cases
+
+from ninfer.engine.engine import load_core
+from ninfer.errors import ConfigError
+from ninfer.models.qwen3_5 import Qwen3_5Config
+from ninfer.parallel.shard import Shard
+
+# tiny models: 4 query / 2 KV heads, GDN 2 key / 4 value heads, MLP 128, 4 experts of 32
+PROMPTS = [list(range(3, 43)), [7, 8, 9], [100, 200, 300, 400, 5, 6]]
+MAX_TOKENS = 6
+CASES = [  # (name, model, ranks, expert parallel)
+    ("dense-tp2", "dense", 2, False),
+    ("dense-tp4", "dense", 4, False),  # KV heads and GDN key heads replicated in pairs
+    ("moe-tp2", "moe", 2, False),
+    ("moe-ep2", "moe", 2, True),
+    ("moe-ep4", "moe", 4, True),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel-models")
+    paths = {}
+    # without a tokenizer there is no end-of-sequence id: a run lasts its max_tokens
+    for name, options in (("dense", {"tokenizer": False}), ("moe", {"moe": True})):
+        (root / name).mkdir()
+        paths[name] = convert_tiny(root / name, weights="fp32", **options)[1]
+    return paths
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(models):
+    return {
+        name: greedy_tokens(load_core(path, engine_config(1, False)), PROMPTS, MAX_TOKENS)
+        for name, path in models.items()
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def parallel_tokens(models, tmp_path_factory):
+    """Greedy tokens of every case, from one spawned world of four gloo ranks."""
+    out_dir = tmp_path_factory.mktemp("parallel-out")
+    cases = [
+        {
+            "name": name,
+            "path": str(models[model]),
+            "world": world,
+            "expert_parallel": ep,
+            "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+        }
+        for name, model, world, ep in CASES
+    ]
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(
+        run_cases, args=(4, init_method, cases, str(out_dir)), nprocs=4, start_method="spawn"
+    )
+    return {name: json.loads((out_dir / f"{name}.json").read_text()) for name, *_ in CASES}
+
+
+@pytest.mark.parametrize("name, model, world, expert_parallel", CASES)
+def test_split_model_gives_the_single_process_greedy_tokens(
+    name, model, world, expert_parallel, single_process_tokens, parallel_tokens
+):
+    assert parallel_tokens[name] == single_process_tokens[model]
+
+
+def _tiny_config(**changes) -> Qwen3_5Config:
+    fields = dict(
+        vocab_size=500,
+        hidden_size=64,
+        num_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        conv_kernel=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        tie_word_embeddings=False,
+        intermediate_size=128,
+    )
+    return Qwen3_5Config(**{**fields, **changes})
+
+
+def test_kv_heads_are_replicated_when_fewer_than_ranks():
+    config = _tiny_config()
+    kv_of_rank = [
+        Shard(rank, 4).grouped_heads(config.num_heads, config.num_kv_heads, "heads")[1]
+        for rank in range(4)
+    ]
+    assert kv_of_rank == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    local = Shard(3, 4).local_config(config)
+    assert (local.num_heads, local.num_kv_heads) == (1, 1)
+    assert (local.linear_num_value_heads, local.linear_num_key_heads) == (1, 1)
+
+
+def test_vocab_rows_are_padded_to_equal_blocks():
+    config = _tiny_config()  # 500 rows over 3 ranks: blocks of 167, the last one padded
+    head = torch.randn(500, 64)
+    parts = [Shard(rank, 3).slice_parameter("lm_head.weight", head, config) for rank in range(3)]
+    assert [p.shape[0] for p in parts] == [167, 167, 167]
+    assert torch.equal(torch.cat(parts)[:500], head)
+    assert not parts[2][166:].any()
+
+
+def test_gdn_channels_keep_the_local_query_key_and_value_heads():
+    config = _tiny_config()
+    qkv = torch.arange(2 * 32 + 64, dtype=torch.float32)[:, None].expand(-1, 64)
+    part = Shard(1, 2).slice_parameter("layers.0.linear_attn.in_proj_qkv.weight", qkv, config)
+    expected = [*range(16, 32), *range(48, 64), *range(64 + 32, 64 + 64)]
+    assert part[:, 0].tolist() == expected
+
+
+def test_a_split_the_heads_do_not_allow_is_refused():
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        Shard(0, 3).local_config(_tiny_config())
+
+
+def _ninfer(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ninfer", *args], env=env, text=True, **kwargs)
+
+
+def _run_args(path: Path, max_tokens: int, *extra: str) -> list[str]:
+    prompt = ",".join(str(t) for t in PROMPTS[0])
+    return [
+        "run",
+        str(path),
+        "--prompt-ids",
+        prompt,
+        "--greedy",
+        "--max-tokens",
+        str(max_tokens),
+        "--device",
+        "cpu",
+        "--max-context",
+        "2048",
+        *extra,
+    ]
+
+
+def test_cli_run_with_two_ranks_prints_the_single_process_tokens(models, single_process_tokens):
+    args = _run_args(models["dense"], MAX_TOKENS, "--print-token-ids", "--tensor-parallel", "2")
+    process = _ninfer(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    printed = [int(t) for t in out.strip().splitlines()[-1].split(",")]
+    assert printed == single_process_tokens["dense"][0]
+
+
+def _spawned_worker(parent_pid: int) -> int:
+    children = Path(f"/proc/{parent_pid}/task/{parent_pid}/children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no spawned rank among {children}")
+
+
+def test_a_killed_rank_ends_the_run_with_a_clear_error(models, tmp_path):
+    stdout = (tmp_path / "stdout").open("w")
+    process = _ninfer(
+        *_run_args(models["dense"], 2000, "--tensor-parallel", "2"),
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for line in process.stderr:
+            if line.startswith("loaded in"):
+                break
+        else:
+            pytest.fail("the run ended before loading")
+        os.kill(_spawned_worker(process.pid), signal.SIGKILL)
+        started = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        assert time.monotonic() - started < 30
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    assert "error: tensor-parallel rank 1" in err and "SIGKILL" in err, err
