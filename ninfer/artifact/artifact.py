@@ -21,17 +21,23 @@ class Artifact:
         self.container = container
         self.path = container.path
         self.root = container.root
+        for component, spec in self.root["components"].items():
+            if not (
+                isinstance(spec, dict)
+                and isinstance(spec.get("config", {}), dict)
+                and isinstance(spec.get("resources", {}), dict)
+            ):
+                raise ArtifactError(f"{self.path}: component {component!r} is malformed")
         self._bindings: dict[str, dict] = container.root["bindings"]
         for name, binding in self._bindings.items():
-            refs = (
-                [binding["object"]]
-                if "object" in binding
-                else [p["object"] for p in binding.get("parts", [])]
-            )
+            refs = _binding_objects(binding)
             if not refs:
-                raise ArtifactError(f"{self.path}: binding {name} names no object")
+                raise ArtifactError(f"{self.path}: binding {name} is malformed or names no object")
             for ref in refs:
-                if container.objects.get(ref, {}).get("kind") != "tensor":
+                if (
+                    not isinstance(ref, str)
+                    or container.objects.get(ref, {}).get("kind") != "tensor"
+                ):
                     raise ArtifactError(
                         f"{self.path}: binding {name} refers to missing tensor object {ref!r}"
                     )
@@ -116,3 +122,24 @@ class Artifact:
     def verify(self) -> int:
         """Check every object's checksum; returns how many objects were checked."""
         return self.container.verify()
+
+
+def _binding_objects(binding: object) -> list:
+    """The object ids a binding refers to; empty when the binding is malformed."""
+    if not isinstance(binding, dict):
+        return []
+    if "object" in binding:
+        return [binding["object"]]
+    parts, shape = binding.get("parts"), binding.get("shape")
+    well_formed = (
+        isinstance(parts, list)
+        and isinstance(shape, list)
+        and all(
+            isinstance(p, dict)
+            and isinstance(p.get("range"), list)
+            and len(p["range"]) == 2
+            and all(isinstance(i, int) for i in p["range"])
+            for p in parts
+        )
+    )
+    return [p.get("object") for p in parts] if well_formed else []

@@ -31,7 +31,8 @@ PAYLOAD_ALIGN = 4096
 TENSOR_ALIGN = 256
 PART_PAYLOAD_START = 4096
 DEFAULT_MAX_FILE_BYTES = 32_000_000_000
-REQUIRED_ROOT_KEYS = ("components", "objects", "bindings", "uses", "files")
+# the required members of the root JSON and their JSON types
+ROOT_TYPES = {"components": dict, "objects": list, "bindings": dict, "uses": dict, "files": list}
 RESOURCE_ENCODING = "raw_bytes_v1"
 CHECKSUM_PREFIX = "xxh64:"
 _PLACEHOLDER_CHECKSUM = CHECKSUM_PREFIX + "0" * 16
@@ -394,20 +395,24 @@ class Container:
             raise ArtifactError(f"{path}: the header JSON is invalid ({exc})") from None
         if not isinstance(root, dict):
             raise ArtifactError(f"{path}: the header JSON is not an object")
-        for key in REQUIRED_ROOT_KEYS:
+        for key, kind in ROOT_TYPES.items():
             if key not in root:
                 raise ArtifactError(f"{path}: the header JSON has no {key!r}")
+            if not isinstance(root[key], kind):
+                raise ArtifactError(
+                    f"{path}: the header JSON's {key!r} is not a JSON {'object' if kind is dict else 'array'}"
+                )
         if "text" not in root["components"]:
             raise ArtifactError(f"{path}: the container has no 'text' component")
         payload_start = align_up(HEADER_BYTES + json_bytes, PAYLOAD_ALIGN)
         files_json = root["files"]
         if (
-            not isinstance(files_json, list)
-            or not files_json
+            not files_json
+            or not isinstance(files_json[0], dict)
             or files_json[0].get("path") is not None
         ):
             raise ArtifactError(f"{path}: 'files' must list the entry file (path null) first")
-        expected = payload_start + int(files_json[0]["payload_bytes"])
+        expected = payload_start + _payload_bytes(path, 0, files_json[0])
         if size != expected:
             what = "truncated" if size < expected else "has trailing bytes"
             raise ArtifactError(f"{path}: {what}: expected {expected} bytes, found {size}")
@@ -423,44 +428,54 @@ class Container:
     def _index_objects(self) -> None:
         total = self.payload_bytes
         for obj in self.root["objects"]:
-            object_id = obj.get("id")
+            object_id = obj.get("id") if isinstance(obj, dict) else None
             if not isinstance(object_id, str) or object_id in self.objects:
                 raise ArtifactError(f"{self.path}: object id {object_id!r} is missing or repeated")
             try:
-                offset, nbytes = int(obj["offset"]), int(obj["bytes"])
-            except (KeyError, TypeError, ValueError):
-                raise ArtifactError(f"{self.path}: object {object_id}: bad offset/bytes") from None
-            if offset < 0 or nbytes < 0 or offset + nbytes > total:
+                self._check_object(object_id, obj, total)
+            except (KeyError, TypeError, ValueError) as exc:
                 raise ArtifactError(
-                    f"{self.path}: object {object_id}: bytes [{offset}, {offset + nbytes}) lie outside the payload ({total} bytes)"
-                )
-            kind = obj.get("kind")
-            if kind == "tensor":
-                try:
-                    fmt = get_format(obj["format"])
-                except KeyError as exc:
-                    raise ArtifactError(f"{self.path}: object {object_id}: {exc.args[0]}") from None
-                if offset % TENSOR_ALIGN:
-                    raise ArtifactError(
-                        f"{self.path}: object {object_id}: offset {offset} is not 256-byte aligned"
-                    )
-                if obj.get("layout") != fmt.layout:
-                    raise ArtifactError(
-                        f"{self.path}: object {object_id}: layout {obj.get('layout')!r} does not match format {fmt.name} ({fmt.layout})"
-                    )
-                want = fmt.encoded_nbytes(tuple(obj["shape"]))
-                if nbytes != want:
-                    raise ArtifactError(
-                        f"{self.path}: object {object_id}: {nbytes} bytes, but {fmt.name} {obj['shape']} needs {want}"
-                    )
-            elif kind == "resource":
-                if obj.get("encoding") != RESOURCE_ENCODING:
-                    raise ArtifactError(
-                        f"{self.path}: object {object_id}: unknown encoding {obj.get('encoding')!r}"
-                    )
-            else:
-                raise ArtifactError(f"{self.path}: object {object_id}: unknown kind {kind!r}")
+                    f"{self.path}: object {object_id}: malformed entry ({type(exc).__name__}: {exc})"
+                ) from None
             self.objects[object_id] = obj
+
+    def _check_object(self, object_id: str, obj: dict, total: int) -> None:
+        """Raise ArtifactError for an entry that is well-formed but wrong; KeyError, TypeError or
+        ValueError for one that is malformed (a member missing or of the wrong type)."""
+        offset, nbytes = int(obj["offset"]), int(obj["bytes"])
+        if offset < 0 or nbytes < 0 or offset + nbytes > total:
+            raise ArtifactError(
+                f"{self.path}: object {object_id}: bytes [{offset}, {offset + nbytes}) lie outside the payload ({total} bytes)"
+            )
+        kind = obj.get("kind")
+        if kind == "tensor":
+            try:
+                fmt = get_format(obj["format"])
+            except KeyError as exc:
+                raise ArtifactError(f"{self.path}: object {object_id}: {exc.args[0]}") from None
+            if offset % TENSOR_ALIGN:
+                raise ArtifactError(
+                    f"{self.path}: object {object_id}: offset {offset} is not 256-byte aligned"
+                )
+            if obj.get("layout") != fmt.layout:
+                raise ArtifactError(
+                    f"{self.path}: object {object_id}: layout {obj.get('layout')!r} does not match format {fmt.name} ({fmt.layout})"
+                )
+            shape = obj["shape"]
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ArtifactError(f"{self.path}: object {object_id}: bad shape {shape!r}")
+            want = fmt.encoded_nbytes(tuple(shape))
+            if nbytes != want:
+                raise ArtifactError(
+                    f"{self.path}: object {object_id}: {nbytes} bytes, but {fmt.name} {obj['shape']} needs {want}"
+                )
+        elif kind == "resource":
+            if obj.get("encoding") != RESOURCE_ENCODING:
+                raise ArtifactError(
+                    f"{self.path}: object {object_id}: unknown encoding {obj.get('encoding')!r}"
+                )
+        else:
+            raise ArtifactError(f"{self.path}: object {object_id}: unknown kind {kind!r}")
 
     def object(self, object_id: str) -> dict:
         try:
@@ -538,9 +553,18 @@ def _check_magic(path: Path, magic: bytes, expected: bytes) -> None:
     raise ArtifactError(f"{path}: not a .ninfer file (magic {magic!r})")
 
 
+def _payload_bytes(entry: Path, index: int, spec: object) -> int:
+    """`payload_bytes` of entry `index` of the root's `files` list, checked."""
+    size = spec.get("payload_bytes") if isinstance(spec, dict) else None
+    if not isinstance(size, int) or size < 0:
+        raise ArtifactError(f"{entry}: file {index} has no valid 'payload_bytes' ({size!r})")
+    return size
+
+
 def _open_part(
-    entry: Path, index: int, spec: dict, artifact_id: bytes, logical: int
+    entry: Path, index: int, spec: object, artifact_id: bytes, logical: int
 ) -> _MappedFile:
+    payload = _payload_bytes(entry, index, spec)
     name = spec.get("path")
     if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
         raise ArtifactError(f"{entry}: file {index} has an invalid path {name!r}")
@@ -556,7 +580,6 @@ def _open_part(
         raise ArtifactError(f"{path}: is part {part_index}, expected part {index}")
     if bytes(view[16:32]) != artifact_id:
         raise ArtifactError(f"{path}: belongs to another artifact (artifact id differs)")
-    payload = int(spec["payload_bytes"])
     if len(view) != PART_PAYLOAD_START + payload:
         what = (
             "truncated part"

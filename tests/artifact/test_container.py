@@ -268,6 +268,22 @@ def missing_components(path):
     rewrite_root(path, lambda root: root.pop("components"))
 
 
+def object_without_shape(path):
+    rewrite_root(path, lambda root: root["objects"][-1].pop("shape"))
+
+
+def file_without_payload_bytes(path):
+    rewrite_root(path, lambda root: root["files"][0].pop("payload_bytes"))
+
+
+def components_not_an_object(path):
+    rewrite_root(path, lambda root: root.update(components=["text"]))
+
+
+def binding_without_object(path):
+    rewrite_root(path, lambda root: root["bindings"].update({"text/positions": {"parts": 3}}))
+
+
 BAD_ENTRIES = [
     (corrupt_magic, "not a .ninfer file"),
     (corrupt_version, "container version 2 is not supported"),
@@ -278,6 +294,10 @@ BAD_ENTRIES = [
     (wrong_object_size, "object text/positions: 36 bytes, but int32 \\[10\\] needs 40"),
     (unknown_format, "object text/positions: unknown weight format 'nvfp9'"),
     (missing_components, "header JSON has no 'components'"),
+    (object_without_shape, "object text/positions: malformed entry \\(KeyError: 'shape'\\)"),
+    (file_without_payload_bytes, "file 0 has no valid 'payload_bytes'"),
+    (components_not_an_object, "header JSON's 'components' is not a JSON object"),
+    (binding_without_object, "binding text/positions is malformed or names no object"),
 ]
 
 
