@@ -21,6 +21,7 @@ import xxhash
 
 from ninfer.errors import ArtifactError
 from ninfer.quant import get_format
+from ninfer.quant.formats import align_up
 
 ENTRY_MAGIC = b"NINFER\x00\x03"
 PART_MAGIC = b"NINPRT\x00\x03"
@@ -36,10 +37,6 @@ ROOT_TYPES = {"components": dict, "objects": list, "bindings": dict, "uses": dic
 RESOURCE_ENCODING = "raw_bytes_v1"
 CHECKSUM_PREFIX = "xxh64:"
 _PLACEHOLDER_CHECKSUM = CHECKSUM_PREFIX + "0" * 16
-
-
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
 
 
 def part_path(entry: Path, index: int) -> Path:
