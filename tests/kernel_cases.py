@@ -8,8 +8,10 @@ import torch
 
 from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import causal_conv1d as conv_reference
+from ninfer.kernels import gdn_chunked as chunked_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
+from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
 from ninfer.quant import get_format
@@ -149,3 +151,103 @@ def check_groupwise_linear(
     assert out.dtype == x.dtype and out.shape == (m, n)
     assert relative_error(out, exact) < tol
     assert relative_error(gemv_reference.groupwise_linear(x, encoded), exact) < tol
+
+
+def scattered_pages(page_counts: list[int], spare: int = 3) -> tuple[int, torch.Tensor]:
+    """(num_pages, page_table): each sequence gets `page_counts[i]` pages drawn in random order
+    from a pool with `spare` pages nobody owns; -1 past each sequence's pages."""
+    num_pages = sum(page_counts) + spare
+    order = torch.randperm(num_pages).tolist()
+    page_table = torch.full((len(page_counts), max(page_counts) + 1), -1, dtype=torch.int32)
+    for i, count in enumerate(page_counts):
+        page_table[i, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    return num_pages, page_table
+
+
+def check_paged_prefill_attention(
+    module,
+    context_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """A flat varlen batch of new chunks, each after its own cached prefix, the chunk's K/V
+    already in the pages (the layer writes first). q is a strided view, as the query half of
+    q_proj's output would be."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    num_pages, page_table = scattered_pages([(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seq_lens])
+    k_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    page_table = page_table.to(device)
+    tokens = sum(query_lens)
+    wide = torch.randn(tokens, num_heads, 2 * head_dim, device=device).to(dtype)
+    q = wide[..., :head_dim]
+    query_start = query_start_of(query_lens, device)
+    contexts = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    args = (q, k_cache, v_cache, page_table, query_start, contexts, lens, scale)
+    ref = attention_reference.paged_attention_prefill(*args)
+    out = module.paged_attention_prefill(*args)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert relative_error(out, ref) < tol
+    for i in range(len(query_lens)):  # no sequence may hide behind the others' error
+        rows = slice(int(query_start[i]), int(query_start[i + 1]))
+        assert relative_error(out[rows], ref[rows]) < tol, f"sequence {i}"
+
+
+def check_kv_write(
+    module, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+) -> None:
+    """New rows land in random distinct slots of a random pool; the rest of the pool stays as
+    it was. Copies are exact."""
+    num_pages = num_tokens // PAGE_SIZE + 3
+    k_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    slots = torch.randperm(num_pages * PAGE_SIZE)[:num_tokens].to(device)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kv_write_reference.write_kv(k, v, ref_k, ref_v, slots)
+    module.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def check_gdn_chunked(
+    module,
+    query_lens: list[int],
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """The prefill form against the chunked fp32 reference: sequences in shuffled slots of a
+    larger pool with nonzero states; untouched slots must stay exactly as they were."""
+    tokens = sum(query_lens)
+    num_slots = len(query_lens) + 2
+    q = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
+    k = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
+    v = torch.randn(tokens, num_value_heads, value_dim, device=device).to(dtype)
+    g = -torch.rand(tokens, num_value_heads, device=device) * 0.5  # log decay <= 0, fp32
+    beta = torch.rand(tokens, num_value_heads, device=device).to(dtype)
+    states = torch.randn(num_slots, num_value_heads, key_dim, value_dim, device=device) * 0.5
+    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
+    query_start = query_start_of(query_lens, device)
+    ref_states = states.clone()
+    ref = chunked_reference.chunk_gated_delta_rule(q, k, v, g, beta, ref_states, slots, query_start)
+    out = module.chunk_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
+    assert out.dtype == v.dtype and out.shape == v.shape
+    assert relative_error(out, ref) < tol
+    used = slots.long()
+    assert relative_error(states[used], ref_states[used]) < tol
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[used.cpu()] = False
+    assert torch.equal(states[untouched.to(device)], ref_states[untouched.to(device)])

@@ -1,20 +1,27 @@
 """One entry point per kernel: CUDA tensors (with Triton present) go to the Triton kernel, the
 rest to the torch reference, which is also the CPU path. Triton modules are imported on first
-use, so CPU-only installs never import Triton."""
+use, so CPU-only installs never import Triton. Kernels whose matrix products would run in tf32
+(attention, fla's GDN chunks) take half precision only: fp32 runs keep the exact reference."""
 
 from __future__ import annotations
 
 import torch
 
 from ninfer.kernels import causal_conv1d as conv_reference
+from ninfer.kernels import gdn_chunked as chunked_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
+from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
+from ninfer.kernels.gdn_chunked_fla import HAS_FLA
+from ninfer.kernels.kernel_cache import persist_triton_cache
 from ninfer.kernels.triton_support import use_triton
 from ninfer.quant import EncodedTensor
 
 _HALF = (torch.bfloat16, torch.float16)
+
+persist_triton_cache()  # compiled kernels and autotune results survive restarts
 
 
 def paged_attention_decode(
@@ -34,6 +41,65 @@ def paged_attention_decode(
         )
     return attention_reference.paged_attention_decode(
         q, k_cache, v_cache, page_table, seq_lens, scale
+    )
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if use_triton(q, k_cache) and q.dtype in _HALF and k_cache.dtype == q.dtype:
+        from ninfer.kernels import paged_attention_prefill_triton
+
+        return paged_attention_prefill_triton.paged_attention_prefill(
+            q, k_cache, v_cache, page_table, query_start, context_lens, seq_lens, scale
+        )
+    return attention_reference.paged_attention_prefill(
+        q, k_cache, v_cache, page_table, query_start, context_lens, seq_lens, scale
+    )
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_write_slots: torch.Tensor,
+) -> None:
+    if use_triton(k, k_cache) and all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache)):
+        from ninfer.kernels import kv_write_triton
+
+        kv_write_triton.write_kv(k, v, k_cache, v_cache, kv_write_slots)
+    else:
+        kv_write_reference.write_kv(k, v, k_cache, v_cache, kv_write_slots)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    """Prefill form of the gated delta rule: fla-core's chunk kernels on CUDA (when installed),
+    else the torch reference."""
+    if HAS_FLA and use_triton(q, states) and v.dtype in _HALF:
+        from ninfer.kernels import gdn_chunked_fla
+
+        return gdn_chunked_fla.chunk_gated_delta_rule(
+            q, k, v, g, beta, states, state_slots, query_start
+        )
+    return chunked_reference.chunk_gated_delta_rule(
+        q, k, v, g, beta, states, state_slots, query_start
     )
 
 

@@ -17,7 +17,9 @@ from kernel_cases import (
     check_causal_conv1d,
     check_gdn_recurrent,
     check_groupwise_linear,
+    check_kv_write,
     check_paged_attention,
+    check_paged_prefill_attention,
     check_rms_norm,
 )
 
@@ -97,3 +99,40 @@ def test_rms_norm_with_and_without_residual(interpreted, strided):
 def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, k, m):
     module = interpreted("groupwise_gemv_triton")
     check_groupwise_linear(module, format_name, m, 40, k, torch.float16, "cpu", 2e-3)
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "query_lens", "head_dim"),
+    [([0], [70], 32), ([0, 100, 3, 64], [5, 1, 80, 64], 32), ([130, 0], [2, 3], 20)],
+    ids=["one-fresh", "mixed-prefixes", "head-dim-20"],
+)
+def test_paged_prefill_attention_matches_reference(interpreted, context_lens, query_lens, head_dim):
+    module = interpreted("paged_attention_prefill_triton")
+    check_paged_prefill_attention(
+        module, context_lens, query_lens, 4, 2, head_dim, torch.float16, "cpu", 2e-3
+    )
+
+
+def test_paged_prefill_attention_blocks_cover_every_token(interpreted):
+    """The device-side block list names each sequence's blocks in order, then spare entries."""
+    module = interpreted("paged_attention_prefill_triton")
+    query_start = torch.tensor([0, 3, 3, 133, 134], dtype=torch.int32)
+    block_seq, block_index = module.query_blocks(query_start, 134, 64)
+    assert block_seq.tolist() == [0, 2, 2, 2, 3] + [4] * 2
+    assert block_index[:5].tolist() == [0, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_scatters_rows_exactly(interpreted, dtype):
+    check_kv_write(interpreted("kv_write_triton"), 70, 2, 24, dtype, "cpu")
+
+
+def test_kv_write_skips_negative_slots(interpreted):
+    module = interpreted("kv_write_triton")
+    k_cache, v_cache = torch.randn(2, 64, 1, 16), torch.randn(2, 64, 1, 16)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    module.write_kv(k, v, k_cache, v_cache, torch.tensor([-1, 65]))
+    assert torch.equal(k_cache[1, 1], k[1]) and torch.equal(v_cache[1, 1], v[1])
+    k_cache[1, 1], v_cache[1, 1] = before_k[1, 1], before_v[1, 1]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)

@@ -4,9 +4,7 @@ M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj."""
 import torch
 from torch import nn
 
-from ninfer.kernels.dispatch import paged_attention_decode
-from ninfer.kernels.kv_write import write_kv
-from ninfer.kernels.paged_attention import paged_attention_prefill
+from ninfer.kernels.dispatch import paged_attention_decode, paged_attention_prefill, write_kv
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding

@@ -6,8 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.dispatch import causal_conv1d, recurrent_gated_delta_rule
-from ninfer.kernels.gdn_chunked import chunk_gated_delta_rule
+from ninfer.kernels.dispatch import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.norms import GatedRMSNorm
 
