@@ -85,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "split the model over N processes, one GPU each (default 1; docs/parallel.md)",
         "N",
     )
-    _switch(model, "--expert-parallel", "MoE: split the experts whole over the tensor-parallel ranks")
+    _switch(
+        model, "--expert-parallel", "MoE: split the experts whole over the tensor-parallel ranks"
+    )
     prompt = parser.add_argument_group("prompt defaults")
     _switch(prompt, "--no-thinking", "requests that do not ask for thinking get none")
     _switch(prompt, "--preserve-thinking", "keep reasoning of earlier turns in the prompt")
