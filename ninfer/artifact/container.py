@@ -107,7 +107,11 @@ def plan_layout(
 
     An object that would cross the end of the current file starts a new file instead (at a
     256-byte boundary, so its alignment survives), unless it is larger than a part: then it is
-    allowed to span files, and the reader joins its pieces."""
+    allowed to span files, and the reader joins its pieces. Capacities are rounded down to a
+    multiple of 256, so every file's share of the payload starts 256-byte aligned even when an
+    object spans files and `--max-file-bytes` is not a round number."""
+    entry_capacity -= entry_capacity % TENSOR_ALIGN
+    part_capacity -= part_capacity % TENSOR_ALIGN
     offsets: list[int] = []
     starts = [0]
     capacity = entry_capacity

@@ -199,12 +199,22 @@ def test_multi_part_container_splits_files_and_reads_back(tmp_path, max_file_byt
         assert torch.equal(artifact.tensor(name), expected_decode(tensor, fmt_name)), name
 
 
-def test_object_larger_than_a_part_spans_files(tmp_path):
-    big = torch.randn(64, 64)  # 16 KiB in fp32, more than one 8 KiB part can hold
+@pytest.mark.parametrize("max_file_bytes", [8192 + 4096, 8192 + 4096 + 1])
+def test_object_larger_than_a_part_spans_files(tmp_path, max_file_bytes):
+    tensors = {
+        "text/big": (torch.randn(64, 64), "fp32"),  # 16 KiB, more than one part can hold
+        "text/after": (torch.randn(5, 7), "fp32"),
+        "text/last": (torch.randn(4, 64), "bf16"),
+    }
     path = tmp_path / "a.ninfer"
-    files = write_container(path, tensors={"text/big": (big, "fp32")}, max_file_bytes=8192 + 4096)
-    assert len(files) >= 3
-    assert torch.equal(Artifact.open(path, verify=True).tensor("text/big"), big)
+    files = write_container(path, tensors=tensors, max_file_bytes=max_file_bytes)
+    assert len(files) >= 3 and all(f.stat().st_size <= max_file_bytes for f in files)
+    artifact = Artifact.open(path, verify=True)
+    # whatever the file size limit, every file's share of the payload starts 256-byte aligned,
+    # so the objects after the spanning one are still aligned views of their file
+    assert all(f.logical_start % 256 == 0 for f in artifact.container.files)
+    for name, (tensor, fmt_name) in tensors.items():
+        assert torch.equal(artifact.tensor(name), expected_decode(tensor, fmt_name)), name
 
 
 def test_checksum_mismatch_is_caught_by_verify_and_names_the_object(tmp_path):
