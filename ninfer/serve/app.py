@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -99,6 +100,28 @@ class Gate:
         await self.app(scope, receive, send_out)
 
 
+# json.loads turns an unpaired "\ud800" escape into a string that is not Unicode text, which
+# the tokenizer then refuses deep inside a request; strict JSON parsers reject it up front.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON; the size limit is enforced before parsing (and before reading all of a
     body whose Content-Length already says it is too large)."""
@@ -113,9 +136,14 @@ async def read_json(request: Request, limit: int) -> Any:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_json(str(exc)) from None
+    except RecursionError:
+        raise bad_json("nested too deeply") from None
+    if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise bad_json("a \\u escape is half of a surrogate pair")
+    return body
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -48,6 +48,29 @@ def test_bad_json_on_the_anthropic_path_has_the_anthropic_shape(make_client):
 
 
 @pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/responses", "/v1/messages/count_tokens"]
+)
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's recursion limit
+        json.dumps({**CHAT, "input": "x", "max_tokens": 8}).replace("Hi", "\\ud800 Hi").encode(),
+        b'{"model":"m","input":"x","max_tokens":8,"\\udfff":1}',
+    ],
+    ids=["too-deep", "lone-surrogate-value", "lone-surrogate-key"],
+)
+def test_json_that_python_parses_but_is_not_valid_json_text_is_400(make_client, path, raw):
+    client = make_client()
+    response = client.post(path, content=raw)
+    if path.startswith("/v1/messages"):
+        assert "not valid JSON" in anthropic_error(response, 400)["message"]
+    else:
+        assert "not valid JSON" in openai_error(response, 400)["message"]
+    paired = json.dumps({**CHAT, "max_tokens": 2}).replace("Hi", "\\ud83d\\ude00 Hi").encode()
+    assert client.post("/v1/chat/completions", content=paired).status_code == 200
+
+
+@pytest.mark.parametrize(
     "path, shape", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")]
 )
 def test_oversize_body_is_413_request_too_large_shaped_by_path(make_client, path, shape):
