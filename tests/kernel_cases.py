@@ -14,6 +14,8 @@ from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
+from ninfer.kernels import rotary as rotary_reference
+from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.quant import get_format
 
 
@@ -251,3 +253,38 @@ def check_gdn_chunked(
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[used.cpu()] = False
     assert torch.equal(states[untouched.to(device)], ref_states[untouched.to(device)])
+
+
+def check_silu_mul(module, rows: int, width: int, dtype: torch.dtype, device, tol: float) -> None:
+    """gate and up as the two halves of one wider product (strided rows), as a fused gate/up
+    projection would give them."""
+    fused = (torch.randn(rows, 2 * width, device=device) * 3).to(dtype)
+    gate, up = fused[:, :width], fused[:, width:]
+    out = module.silu_mul(gate, up)
+    assert out.dtype == dtype and out.shape == gate.shape
+    exact = swiglu_reference.silu_mul(gate.double(), up.double())
+    assert relative_error(out, exact) < tol
+
+
+def check_rotary(
+    module,
+    tokens: int,
+    num_heads: int,
+    head_dim: int,
+    rot_dim: int,
+    dtype: torch.dtype,
+    device,
+    tol,
+) -> None:
+    """Angles of real positions; dims past rot_dim must come back bit for bit."""
+    positions = torch.randint(0, 100_000, (tokens,), device=device).double()
+    inv_freq = 1e7 ** (-torch.arange(0, rot_dim, 2, device=device).double() / rot_dim)
+    angles = positions[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x = torch.randn(tokens, num_heads, head_dim, device=device).to(dtype)
+    exact = rotary_reference.apply_rotary(x.double(), cos.double(), sin.double())
+    out = module.apply_rotary(x.clone(), cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert relative_error(out[..., :rot_dim], exact[..., :rot_dim]) < tol
+    assert torch.equal(out[..., rot_dim:], x[..., rot_dim:])

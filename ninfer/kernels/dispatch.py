@@ -14,6 +14,8 @@ from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
+from ninfer.kernels import rotary as rotary_reference
+from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
 from ninfer.kernels.triton_support import use_triton
@@ -148,3 +150,21 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         if weight.format in groupwise_gemv_triton.SUPPORTED:
             return groupwise_gemv_triton.groupwise_linear(x, weight)
     return gemv_reference.groupwise_linear(x, weight)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if use_triton(gate, up) and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        from ninfer.kernels import swiglu_triton
+
+        return swiglu_triton.silu_mul(gate, up)
+    return swiglu_reference.silu_mul(gate, up)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first cos.shape[-1] dims. The Triton path rotates x in place:
+    pass a tensor the caller owns and use the return value."""
+    if use_triton(x, cos, sin) and all(t.stride(-1) == 1 for t in (x, cos, sin)):
+        from ninfer.kernels import rotary_triton
+
+        return rotary_triton.apply_rotary(x, cos, sin)
+    return rotary_reference.apply_rotary(x, cos, sin)

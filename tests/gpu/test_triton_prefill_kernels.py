@@ -9,7 +9,13 @@ import zlib
 
 import pytest
 import torch
-from kernel_cases import check_gdn_chunked, check_kv_write, check_paged_prefill_attention
+from kernel_cases import (
+    check_gdn_chunked,
+    check_kv_write,
+    check_paged_prefill_attention,
+    check_rotary,
+    check_silu_mul,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -139,3 +145,21 @@ def test_dispatch_routes_prefill_kernels(monkeypatch):
             0.125,
         )
     assert calls == ["write_kv", "paged_attention_prefill", "write_kv"]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 4096])
+@pytest.mark.parametrize("width", [17408, 512, 1000])
+def test_silu_mul(rows, width):
+    from ninfer.kernels import swiglu_triton
+
+    check_silu_mul(swiglu_triton, rows, width, BF16, "cuda", 1e-2)
+    check_silu_mul(swiglu_triton, rows, width, torch.float32, "cuda", 1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 33, 4096])
+@pytest.mark.parametrize("num_heads", [24, 16, 4, 2])
+def test_rotary(tokens, num_heads):
+    from ninfer.kernels import rotary_triton
+
+    check_rotary(rotary_triton, tokens, num_heads, 256, 64, BF16, "cuda", 1e-2)
+    check_rotary(rotary_triton, tokens, num_heads, 256, 64, torch.float32, "cuda", 1e-5)

@@ -21,6 +21,8 @@ from kernel_cases import (
     check_paged_attention,
     check_paged_prefill_attention,
     check_rms_norm,
+    check_rotary,
+    check_silu_mul,
 )
 
 if torch.cuda.is_available():
@@ -136,3 +138,16 @@ def test_kv_write_skips_negative_slots(interpreted):
     assert torch.equal(k_cache[1, 1], k[1]) and torch.equal(v_cache[1, 1], v[1])
     k_cache[1, 1], v_cache[1, 1] = before_k[1, 1], before_v[1, 1]
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_matches_exact(interpreted, dtype):
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    check_silu_mul(interpreted("swiglu_triton"), 5, 1500, dtype, "cpu", tol)
+
+
+@pytest.mark.parametrize(("head_dim", "rot_dim"), [(32, 8), (20, 6), (16, 16)])
+def test_rotary_rotates_the_first_dims_in_place(interpreted, head_dim, rot_dim):
+    module = interpreted("rotary_triton")
+    check_rotary(module, 9, 3, head_dim, rot_dim, torch.float32, "cpu", 1e-6)
+    check_rotary(module, 9, 3, head_dim, rot_dim, torch.float16, "cpu", 2e-3)

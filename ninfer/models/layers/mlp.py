@@ -1,8 +1,9 @@
 """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ninfer.kernels.dispatch import silu_mul
 
 
 class MLP(nn.Module):
@@ -13,4 +14,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

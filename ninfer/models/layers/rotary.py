@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ninfer.kernels.dispatch import apply_rotary
+
 
 class RotaryEmbedding:
     def __init__(
@@ -42,9 +44,5 @@ class RotaryEmbedding:
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim :]
-        first, second = rot.chunk(2, dim=-1)
-        rotated = torch.cat([-second, first], dim=-1)
-        rot = rot * cos[:, None] + rotated * sin[:, None]
-        return torch.cat([rot, rest], dim=-1)
+        """x: [T, heads, head_dim], owned by the caller: on CUDA it is rotated in place."""
+        return apply_rotary(x, cos, sin)
