@@ -103,6 +103,11 @@ def parse_chat_request(body: Any, info: ModelInfo) -> ChatRequest:
             logit_bias = {int(k): float(v) for k, v in bias.items()}
         except (TypeError, ValueError):
             raise invalid("'logit_bias' maps token ids to numbers", param="logit_bias") from None
+        if any(k < 0 or not -100.0 <= v <= 100.0 for k, v in logit_bias.items()):
+            raise invalid(
+                "'logit_bias' maps non-negative token ids to values in [-100, 100]",
+                param="logit_bias",
+            )
     return ChatRequest(
         protocol="chat",
         model=model,

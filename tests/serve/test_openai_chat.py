@@ -212,7 +212,16 @@ def test_omitted_sampling_fields_do_not_override_model_defaults(info):
 
 @pytest.mark.parametrize(
     "fields",
-    [{"temperature": 2.5}, {"top_p": 1.5}, {"top_k": -1}, {"presence_penalty": 3}, {"seed": -1}],
+    [
+        {"temperature": 2.5},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"presence_penalty": 3},
+        {"seed": -1},
+        {"logit_bias": {"5": 101}},
+        {"logit_bias": {"-1": 1}},
+        {"logit_bias": {"5": float("inf")}},
+    ],
 )
 def test_out_of_range_sampling_values_are_rejected(info, fields):
     [param] = fields
