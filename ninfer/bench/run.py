@@ -32,6 +32,7 @@ class BenchOptions:
     prefill_chunk: int = 1024
     peers: list[str] = field(default_factory=list)
     seed: int = 0
+    cuda_graph: bool = True
 
 
 def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
@@ -77,7 +78,7 @@ def _time_cases(target, cases, options, traffic, ceilings, weights) -> list[Row]
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
-    from ninfer.bench.targets import HFTarget, NinferTarget, random_model
+    from ninfer.bench.targets import HFTarget, NinferTarget, executed_formats, random_model
 
     if (options.model_path is None) == (options.shape is None):
         raise ConfigError("give a .ninfer file or --shape, not both")
@@ -108,22 +109,23 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         model_label = str(path)
     else:
         config = SHAPES[options.shape]
+        format_of = profile_formats(config, options.weights)
         traffic = Traffic(
             config,
-            profile_formats(config, options.weights),
+            format_of,
             kv_itemsize=kv_itemsize,
             conv_itemsize=kv_itemsize,
         )
         weights = options.weights
-        model = random_model(config, device, dtype, options.seed)
+        model = random_model(config, device, dtype, options.seed, format_of=format_of)
         model_label = f"{options.shape} (random weights)"
 
     ceilings = Ceilings(
         copy_bandwidth(device), matmul_rate(device, dtype), str(dtype).removeprefix("torch.")
     )
-    executed = str(next(model.parameters()).dtype).removeprefix("torch.")
+    executed = executed_formats(model)
     rows = _time_cases(
-        NinferTarget(model, options.cases, options.prefill_chunk),
+        NinferTarget(model, options.cases, options.prefill_chunk, options.cuda_graph),
         options.cases,
         options,
         traffic,

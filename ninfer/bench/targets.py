@@ -48,12 +48,43 @@ def random_weights(
     return tensors
 
 
-def random_model(config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0):
+def random_model(
+    config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    format_of=None,
+):
+    """The model on random weights. With `format_of` (logical name, shape -> stored format)
+    and where the model runs quantized linears (CUDA, half precision), every matrix stored in
+    a GEMV format is encoded on the device and kept encoded, as loading an artifact would."""
+    from ninfer.models.layers.linear import GEMV_FORMATS
+    from ninfer.models.qwen3_5 import runs_quantized
     from ninfer.models.registry import load_model
     from ninfer.models.weights import StateDictSource
+    from ninfer.parallel.shard import Shard
+    from ninfer.quant import get_format
 
-    source = StateDictSource(random_weights(config, device, dtype, seed))
+    tensors = random_weights(config, device, dtype, seed)
+    encoded = {}
+    if format_of is not None and runs_quantized(device, dtype, Shard()):
+        for name in list(tensors):
+            if tensors[name].dim() != 2:
+                continue
+            chosen = format_of(name, tuple(tensors[name].shape))
+            if chosen in GEMV_FORMATS:
+                encoded[name] = get_format(chosen).encode(tensors.pop(name), rows_per_slab=4096)
+    source = StateDictSource(tensors, encoded)
     return load_model(source, config, device=device, dtype=dtype)
+
+
+def executed_formats(model: torch.nn.Module) -> str:
+    """How the model's linears execute: the dense dtype, plus the formats kept encoded."""
+    from ninfer.models.layers.linear import GroupwiseLinear
+
+    dense = str(next(model.parameters()).dtype).removeprefix("torch.")
+    encoded = sorted({m.format for m in model.modules() if isinstance(m, GroupwiseLinear)})
+    return "+".join([dense, *encoded])
 
 
 def _sync(device: torch.device) -> None:
@@ -66,7 +97,9 @@ class NinferTarget:
 
     name = "ninfer"
 
-    def __init__(self, model, cases: list[BenchCase], prefill_chunk: int) -> None:
+    def __init__(
+        self, model, cases: list[BenchCase], prefill_chunk: int, cuda_graph: bool = True
+    ) -> None:
         from ninfer.engine.engine import build_core
 
         longest = max(c.prompt_tokens + c.decode_steps + 1 for c in cases)
@@ -77,6 +110,7 @@ class NinferTarget:
             max_pending_requests=0,
             kv_capacity=-(-longest // PAGE_SIZE) * PAGE_SIZE * lanes,  # whole pages per lane
             prefill_chunk=prefill_chunk,
+            cuda_graph=cuda_graph,
         )
         self.core = build_core(model, config)  # no eos ids: every request runs its full length
         self.recorder = _RecordingRunner(self.core.runner)

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer", action="append", choices=("hf",), default=[], help="also time transformers"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="run decode steps eagerly (debugging)"
+    )
     parser.add_argument("-o", dest="output", choices=("table", "json"), default="table")
     parser.add_argument("--output-file", help="also write the JSON report here")
 
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             peers=args.peer,
             seed=args.seed,
+            cuda_graph=not args.no_cuda_graph,
         )
     )
     text = json.dumps(report, indent=1) if args.output == "json" else format_table(report)

@@ -35,6 +35,7 @@ class RunSettings:
     dtype: str | None = None
     tensor_parallel: int = 1
     expert_parallel: bool = False
+    no_cuda_graph: bool = False
     greedy: bool = False
     temperature: float | None = None
     top_p: float | None = None
@@ -113,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="MoE: split the experts whole over the tensor-parallel ranks",
+    )
+    device.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        default=None,
+        help="run decode steps eagerly instead of from CUDA graphs (debugging)",
     )
 
     sampling = parser.add_argument_group("sampling (override the model's preset)")
@@ -195,6 +202,7 @@ def _engine_config(args: RunSettings):
         device=args.device,
         tensor_parallel=args.tensor_parallel,
         expert_parallel=args.expert_parallel,
+        cuda_graph=not args.no_cuda_graph,
     )
 
 

@@ -88,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _switch(
         model, "--expert-parallel", "MoE: split the experts whole over the tensor-parallel ranks"
     )
+    _switch(model, "--no-cuda-graph", "run decode steps eagerly instead of from CUDA graphs")
     prompt = parser.add_argument_group("prompt defaults")
     _switch(prompt, "--no-thinking", "requests that do not ask for thinking get none")
     _switch(prompt, "--preserve-thinking", "keep reasoning of earlier turns in the prompt")

@@ -23,7 +23,9 @@ class EngineConfig:
     `default_max_tokens`: output limit of a request that sets none (None: up to `max_context`).
     `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU. `tensor_parallel`: ranks
     the model is split over (one process each; docs/parallel.md), `expert_parallel`: split the
-    MoE experts whole across those ranks instead of slicing each one.
+    MoE experts whole across those ranks instead of slicing each one. `cuda_graph`: replay
+    decode steps from CUDA graphs captured at start (CUDA in bf16/fp16 with one rank; ignored
+    elsewhere); off is for debugging.
     """
 
     max_context: int = 4096
@@ -38,6 +40,7 @@ class EngineConfig:
     kv_headroom_bytes: int = 1 << 30
     tensor_parallel: int = 1
     expert_parallel: bool = False
+    cuda_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.max_context < 2:

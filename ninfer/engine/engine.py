@@ -520,13 +520,23 @@ def build_core(
     num_pages: int | None = None,
 ) -> EngineCore:
     """The core over a loaded model; `num_pages` (default: `pool_pages`) sizes the K/V pool."""
+    from ninfer.engine.graphs import capture_sizes, graph_memory_bytes
+
     spec = model.cache_spec()
     device, dtype = model.device, model.dtype
+    graphs = uses_cuda_graphs(config, model)
     if num_pages is None:
-        num_pages = pool_pages(config, spec.page_bytes(dtype), device)
-    cache = ModelCache(spec, num_pages, config.max_concurrency, device=device, dtype=dtype)
+        reserve = (
+            graph_memory_bytes(model.config, config.max_concurrency, config.max_context)
+            if graphs
+            else 0
+        )
+        num_pages = pool_pages(config, spec.page_bytes(dtype), device, reserve_bytes=reserve)
+    cache = ModelCache(
+        spec, num_pages, config.max_concurrency, device=device, dtype=dtype, scratch=graphs
+    )
     log.info("KV pool: %d pages of %d tokens", num_pages, PAGE_SIZE)
-    return EngineCore(
+    core = EngineCore(
         model,
         cache,
         config,
@@ -534,12 +544,31 @@ def build_core(
         eos_token_ids=eos_token_ids,
         frontend=frontend,
     )
+    if graphs:
+        core.runner.capture_graphs(config.max_context, capture_sizes(config.max_concurrency))
+    return core
 
 
-def pool_pages(config: EngineConfig, page_bytes: int, device: torch.device) -> int:
+def uses_cuda_graphs(config: EngineConfig, model: torch.nn.Module) -> bool:
+    """Decode runs from CUDA graphs when asked, on CUDA in half precision, on one rank."""
+    from ninfer.engine.graphs import GRAPH_DTYPES
+
+    shard = getattr(model, "shard", None)
+    return (
+        config.cuda_graph
+        and config.tensor_parallel == 1
+        and (shard is None or shard.world == 1)
+        and model.device.type == "cuda"
+        and model.dtype in GRAPH_DTYPES
+    )
+
+
+def pool_pages(
+    config: EngineConfig, page_bytes: int, device: torch.device, reserve_bytes: int = 0
+) -> int:
     """Pages of the shared K/V pool: `kv_capacity` tokens rounded up to pages, or for `auto`
-    the most that fit in free device memory after a headroom; never more than every lane at
-    `max_context` could use."""
+    the most that fit in free device memory after a headroom and `reserve_bytes` (the CUDA
+    graphs' pool); never more than every lane at `max_context` could use."""
     per_request = -(-config.max_context // PAGE_SIZE)
     most_useful = per_request * config.max_concurrency
     if config.kv_capacity != "auto":
@@ -547,7 +576,7 @@ def pool_pages(config: EngineConfig, page_bytes: int, device: torch.device) -> i
     if device.type != "cuda" or page_bytes == 0:
         return most_useful
     free, _ = torch.cuda.mem_get_info(device)
-    fit = (free - config.kv_headroom_bytes) // page_bytes
+    fit = (free - config.kv_headroom_bytes - reserve_bytes) // page_bytes
     if fit < per_request:
         raise ConfigError(
             f"only {max(fit, 0) * PAGE_SIZE} tokens of K/V fit in free GPU memory; one request "

@@ -145,6 +145,10 @@ class ModelCache:
       order; the MTP layer is last), dtype `kv_dtype`.
     - `gdn_state[j]`: `[num_slots, Hv, dk, dv]` fp32 for GDN layer j (in layer order).
     - `conv_window[j]`: `[num_slots, conv_dim, K - 1]`, the last K - 1 conv inputs, model dtype.
+
+    With `scratch=True` every pool has one more row than its allocator hands out: page
+    `scratch_page` (= num_pages) and slot `scratch_slot` (= num_slots), where the padded rows
+    of a CUDA-graph batch write their K/V and state. No sequence ever owns or reads them.
     """
 
     def __init__(
@@ -156,12 +160,16 @@ class ModelCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         kv_dtype: torch.dtype | None = None,
+        scratch: bool = False,
     ) -> None:
         self.spec = spec
         self.num_pages = num_pages
         self.num_slots = num_slots
+        self.scratch_page = num_pages if scratch else None
+        self.scratch_slot = num_slots if scratch else None
+        extra = 1 if scratch else 0
         kv_dtype = kv_dtype or dtype
-        page_shape = (num_pages, PAGE_SIZE, spec.num_kv_heads, spec.head_dim)
+        page_shape = (num_pages + extra, PAGE_SIZE, spec.num_kv_heads, spec.head_dim)
         self.k = [
             torch.zeros(page_shape, dtype=kv_dtype, device=device)
             for _ in range(spec.num_attention_layers)
@@ -170,8 +178,8 @@ class ModelCache:
             torch.zeros(page_shape, dtype=kv_dtype, device=device)
             for _ in range(spec.num_attention_layers)
         ]
-        state_shape = (num_slots, spec.gdn_heads, spec.gdn_key_dim, spec.gdn_value_dim)
-        window_shape = (num_slots, spec.conv_dim, spec.conv_kernel - 1)
+        state_shape = (num_slots + extra, spec.gdn_heads, spec.gdn_key_dim, spec.gdn_value_dim)
+        window_shape = (num_slots + extra, spec.conv_dim, spec.conv_kernel - 1)
         self.gdn_state = [
             torch.zeros(state_shape, dtype=torch.float32, device=device)
             for _ in range(spec.num_gdn_layers)

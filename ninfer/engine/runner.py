@@ -1,6 +1,7 @@
 """Runs one scheduled step: flat input ids and positions plus a `ForwardContext`, the model
 forward, logits for the rows that end a sequence's step, and the sampler. The only place where
-the engine touches tensors; one host sync per step (the sampled ids)."""
+the engine touches tensors; one host sync per step (the sampled ids). Decode steps replay a
+captured CUDA graph when the engine captured them (graphs.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.engine.graphs import DecodeGraphs
 from ninfer.engine.kv_pool import ModelCache
 from ninfer.engine.request import TokenLogprob
 from ninfer.engine.sampler import Sampler, SampleRow
@@ -39,11 +41,19 @@ class StepResult:
 
 
 class ModelRunner:
+    graphs: DecodeGraphs | None = None  # decode steps replay these when set (CUDA only)
+
     def __init__(self, model: torch.nn.Module, cache: ModelCache, sampler: Sampler) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = cache.k[0].device if cache.k else model.device
+
+    def capture_graphs(self, max_context: int, sizes: list[int]) -> None:
+        """Capture the decode graphs (the cache must have been built with `scratch=True`)."""
+        graphs = DecodeGraphs(self.model, self.cache, max_context=max_context, sizes=sizes)
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -99,6 +109,15 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model forward over one step; logits of `inputs.logit_rows` (None when there are
         none, or on a tensor-parallel worker)."""
+        size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        if size is not None:
+            logits = self.graphs.run(inputs, size)
+            if not inputs.logit_rows:
+                return None
+            if inputs.logit_rows == list(range(logits.shape[0])):
+                return logits
+            index = torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)
+            return logits.index_select(0, index)
         ctx = make_context(
             self.cache,
             context_lens=inputs.context_lens,

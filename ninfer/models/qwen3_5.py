@@ -25,6 +25,7 @@ from ninfer.errors import UnsupportedModelError
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.attention import Attention
 from ninfer.models.layers.gated_deltanet import GatedDeltaNet
+from ninfer.models.layers.linear import quantize_linears
 from ninfer.models.layers.mlp import MLP
 from ninfer.models.layers.moe import SparseMoE
 from ninfer.models.layers.norms import RMSNorm
@@ -260,6 +261,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
         with torch.device("meta"):
             model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device, shard=shard)
+        if runs_quantized(torch.device(device), dtype, model.shard):
+            quantize_linears(model, source, torch.device(device), logical_name)
         state = {
             name: model.shard.slice_parameter(
                 name, source.tensor(logical_name(name), dtype=dtype), parsed
@@ -311,12 +314,21 @@ class Qwen3_5ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 [N, V]; with tensor parallelism the whole rows exist on rank 0 only (None on
         the other ranks, which still take part in the gather)."""
-        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return self.shard.gather_logits(F.linear(hidden, head).float(), self.config.vocab_size)
+        if self.config.tie_word_embeddings:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return self.shard.gather_logits(logits.float(), self.config.vocab_size)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     is_moe = True
+
+
+def runs_quantized(device: torch.device, dtype: torch.dtype, shard: Shard) -> bool:
+    """Whether linears stored in a group-wise int format stay encoded (GPU kernels in half
+    precision, one rank); elsewhere they are dequantized at load, the exact reference path."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and shard.world == 1
 
 
 def logical_name(param_name: str) -> str:

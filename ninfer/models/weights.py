@@ -9,6 +9,8 @@ from typing import Protocol
 
 import torch
 
+from ninfer.quant import EncodedTensor
+
 
 class WeightSource(Protocol):
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor: ...
@@ -17,24 +19,41 @@ class WeightSource(Protocol):
 
 
 class StateDictSource:
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Tensors by logical name; `encoded` optionally holds some of them in a stored format
+    (what `Artifact.encoded` returns), e.g. the bench's random quantized weights."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        encoded: Mapping[str, EncodedTensor] | None = None,
+    ) -> None:
         self.tensors = dict(tensors)
+        self.encoded_tensors = dict(encoded or {})
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: Mapping[str, torch.Tensor]) -> StateDictSource:
         return cls(hf_to_logical(state_dict))
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name in self.encoded_tensors:
+            return self.encoded_tensors[name].decode(dtype)
         if name not in self.tensors:
             raise KeyError(f"no tensor {name!r} in the weight source")
         value = self.tensors[name]
         return value if dtype is None else value.to(dtype)
 
+    def encoded(self, name: str) -> EncodedTensor:
+        """The stored form of a tensor given encoded; KeyError for plain ones."""
+        if name not in self.encoded_tensors:
+            raise KeyError(f"tensor {name!r} is not stored encoded")
+        return self.encoded_tensors[name]
+
     def has(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.tensors or name in self.encoded_tensors
 
     def names(self, prefix: str = "") -> list[str]:
-        return sorted(n for n in self.tensors if n.startswith(prefix))
+        names = set(self.tensors) | set(self.encoded_tensors)
+        return sorted(n for n in names if n.startswith(prefix))
 
 
 def hf_to_logical(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

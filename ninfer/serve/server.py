@@ -31,6 +31,7 @@ def engine_config(settings: ServeSettings):
         dtype=settings.dtype,
         tensor_parallel=settings.tensor_parallel,
         expert_parallel=settings.expert_parallel,
+        cuda_graph=not settings.no_cuda_graph,
     )
 
 

@@ -45,6 +45,7 @@ class ServeSettings:
     dtype: str | None = None
     tensor_parallel: int = 1
     expert_parallel: bool = False
+    no_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

@@ -9,6 +9,9 @@ from torch import nn
 
 from ninfer.models.layers.mlp import MLP
 
+# Tokens up to this many take the gathered (graph-safe) expert path on the GPU.
+GATHERED_MAX_TOKENS = 64
+
 
 class Experts(nn.Module):
     def __init__(self, experts: range, hidden_size: int, intermediate_size: int) -> None:
@@ -25,6 +28,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in the model
         dtype, expert by expert in id order, as the transformers reference does."""
+        if x.is_cuda and x.shape[0] <= GATHERED_MAX_TOKENS:
+            return self._forward_gathered(x, experts, weights)
         out = torch.zeros_like(x)
         held = range(self.first, self.first + self.gate_up_proj.shape[0])
         for expert in experts.unique().tolist():
@@ -35,6 +40,25 @@ class Experts(nn.Module):
             gate, up = F.linear(x[token], self.gate_up_proj[local]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[local])
             out.index_add_(0, token, y * weights[token, choice, None])
+        return out
+
+    def _forward_gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """Decode-sized batches on the GPU: no host sync and fixed shapes (CUDA-graph safe).
+        Each token's k chosen experts are taken in id order (the order the loop above adds
+        them), their weights gathered per token and applied as batched matrix-vector products."""
+        count = self.gate_up_proj.shape[0]
+        experts, order = experts.sort(dim=-1)
+        weights = weights.gather(1, order)
+        local = experts - self.first
+        held = (local >= 0) & (local < count)
+        local = local.clamp(0, count - 1)
+        out = torch.zeros_like(x)
+        for choice in range(experts.shape[1]):
+            index = local[:, choice]
+            gate, up = torch.bmm(self.gate_up_proj[index], x[:, :, None])[..., 0].chunk(2, dim=-1)
+            y = torch.bmm(self.down_proj[index], (F.silu(gate) * up)[:, :, None])[..., 0]
+            y = y * weights[:, choice, None]
+            out = out + torch.where(held[:, choice, None], y, torch.zeros_like(y))
         return out
 
 

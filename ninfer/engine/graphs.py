@@ -1,0 +1,240 @@
+"""CUDA graphs for decode steps: the whole decode forward plus the logits, captured at engine
+start for each batch size in `capture_sizes`, replayed with the step's inputs copied into
+static buffers. The sampler stays outside (its work depends on each request's settings).
+
+A batch runs on the smallest captured size that holds it; the rows past the batch (padding)
+decode token 0 at position 0 into the pools' scratch page and scratch slot
+(`ModelCache(scratch=True)`), and their logits are never read. Every row of a decode forward
+is independent of the others, so padding cannot change a real row's result. The attention
+split is sized at capture for `max_context` (a host int), so a replay never needs a host value
+that depends on the batch. Graph capture needs every kernel on the path to be free of host syncs:
+the Triton kernels in half precision are (fp32 runs some torch references, so graphs are used
+in bf16/fp16 only)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ninfer.engine.kv_pool import PAGE_SIZE, ModelCache
+from ninfer.models.context import ForwardContext
+
+if TYPE_CHECKING:
+    from ninfer.engine.runner import StepInputs
+
+log = logging.getLogger("ninfer.engine")
+
+GRAPH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def capture_sizes(max_concurrency: int) -> list[int]:
+    """Batch sizes captured at start: every size up to `max_concurrency`, so no decode step
+    pays for padding rows."""
+    return list(range(1, max_concurrency + 1))
+
+
+def graph_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds `num_seqs` rows; None when none does."""
+    fitting = [s for s in sizes if s >= num_seqs]
+    return min(fitting) if fitting and num_seqs > 0 else None
+
+
+@dataclass(slots=True)
+class DecodeBuffers:
+    """The inputs of one decode forward of up to `max_rows` rows, as flat tensors: a pinned
+    host copy is filled each step, then copied into the device copy the graphs read."""
+
+    input_ids: torch.Tensor  # int64 [R]
+    positions: torch.Tensor  # int64 [R]
+    kv_write_slots: torch.Tensor  # int64 [R]
+    context_lens: torch.Tensor  # int32 [R]
+    seq_lens: torch.Tensor  # int32 [R]
+    state_slots: torch.Tensor  # int32 [R]
+    page_table: torch.Tensor  # int32 [R, max_pages]
+
+    @classmethod
+    def allocate(
+        cls, max_rows: int, max_pages: int, device: torch.device | str, pin: bool = False
+    ) -> DecodeBuffers:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+        return cls(
+            input_ids=zeros(max_rows, dtype=torch.int64),
+            positions=zeros(max_rows, dtype=torch.int64),
+            kv_write_slots=zeros(max_rows, dtype=torch.int64),
+            context_lens=zeros(max_rows, dtype=torch.int32),
+            seq_lens=zeros(max_rows, dtype=torch.int32),
+            state_slots=zeros(max_rows, dtype=torch.int32),
+            page_table=zeros(max_rows, max_pages, dtype=torch.int32),
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.input_ids,
+            self.positions,
+            self.kv_write_slots,
+            self.context_lens,
+            self.seq_lens,
+            self.state_slots,
+            self.page_table,
+        )
+
+    def copy_rows_from(self, host: DecodeBuffers, rows: int) -> None:
+        """Copy the first `rows` rows of `host` in (asynchronously from pinned memory; the
+        step's host sync on the sampled ids comes before `host` is filled again)."""
+        for dst, src in zip(self.tensors(), host.tensors()):
+            dst[:rows].copy_(src[:rows], non_blocking=True)
+
+
+def fill_decode_rows(
+    buffers: DecodeBuffers, inputs: StepInputs, rows: int, scratch_page: int, scratch_slot: int
+) -> None:
+    """Write a decode step's inputs into the first `rows` rows of host `buffers`: the batch's
+    sequences first, then padding rows that decode token 0 at position 0 into the scratch page
+    and slot."""
+    num_seqs = len(inputs.query_lens)
+    max_pages = buffers.page_table.shape[1]
+    if num_seqs > rows:
+        raise ValueError(f"{num_seqs} sequences do not fit a graph of {rows} rows")
+    if any(q != 1 for q in inputs.query_lens):
+        raise ValueError("a graph runs decode steps only (one new token per sequence)")
+    table = buffers.page_table
+    table[:rows].fill_(-1)
+    for i, (pages, context) in enumerate(zip(inputs.page_lists, inputs.context_lens)):
+        if len(pages) > max_pages or len(pages) * PAGE_SIZE <= context:
+            raise ValueError(
+                f"sequence {i}: {len(pages)} pages for {context + 1} tokens (graph holds "
+                f"{max_pages} pages)"
+            )
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    padding = rows - num_seqs
+    contexts = list(inputs.context_lens)
+    buffers.input_ids[:rows] = torch.tensor(list(inputs.input_ids) + [0] * padding)
+    buffers.positions[:rows] = torch.tensor(list(inputs.positions) + [0] * padding)
+    buffers.context_lens[:rows] = torch.tensor(contexts + [0] * padding)
+    buffers.seq_lens[:rows] = torch.tensor([c + 1 for c in contexts] + [1] * padding)
+    buffers.state_slots[:rows] = torch.tensor(list(inputs.state_slots) + [scratch_slot] * padding)
+    write_slots = [
+        pages[c // PAGE_SIZE] * PAGE_SIZE + c % PAGE_SIZE
+        for pages, c in zip(inputs.page_lists, contexts)
+    ]
+    buffers.kv_write_slots[:rows] = torch.tensor(write_slots + [scratch_page * PAGE_SIZE] * padding)
+    table[num_seqs:rows, 0] = scratch_page
+
+
+def graph_memory_bytes(config, max_concurrency: int, max_context: int) -> int:
+    """What the captured graphs may keep in their memory pool: the largest decode forward's
+    activations, logits and kernel workspaces (a bound, counted before the K/V pool is sized)."""
+    rows = max_concurrency
+    widest = max(
+        config.hidden_size * 4,  # q_proj packs query and gate
+        config.num_heads * config.head_dim * 2,
+        config.intermediate_size or 0,
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim,
+    )
+    activations = rows * widest * 4 * 16
+    logits = rows * config.vocab_size * 4 * 3
+    max_pages = math.ceil(max_context / PAGE_SIZE)
+    attention = rows * config.num_heads * max_pages * (config.head_dim + 2) * 4
+    experts = 0
+    if config.is_moe:
+        experts = rows * 3 * config.moe_intermediate_size * config.hidden_size * 2 * 2
+    return (256 << 20) + activations + logits + attention + experts
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model and cache, and their static buffers."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: ModelCache,
+        *,
+        max_context: int,
+        sizes: Sequence[int],
+    ) -> None:
+        if cache.scratch_page is None or cache.scratch_slot is None:
+            raise ValueError("CUDA graphs need a cache with a scratch page and slot")
+        self.model = model
+        self.cache = cache
+        self.sizes = sorted(set(sizes))
+        self.max_context = max_context
+        self.max_pages = math.ceil(max_context / PAGE_SIZE)
+        device = model.device
+        rows = self.sizes[-1]
+        self.host = DecodeBuffers.allocate(rows, self.max_pages, "cpu", pin=device.type == "cuda")
+        self.static = DecodeBuffers.allocate(rows, self.max_pages, device)
+        self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every size, largest first, in one shared memory pool. All rows
+        are padding meanwhile, so capture writes only the scratch page and slot."""
+        from ninfer.engine.runner import StepInputs
+
+        rows = self.sizes[-1]
+        self.stage(StepInputs([], [], [], [], [], [], []), rows)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        free_before = torch.cuda.mem_get_info()[0]
+        for size in reversed(self.sizes):
+            self.forward_static(size)  # compiles the kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self.forward_static(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        log.info(
+            "captured %d decode graphs (sizes 1..%d), %.1f MiB",
+            len(self.graphs),
+            rows,
+            used / 2**20,
+        )
+
+    def stage(self, inputs: StepInputs, size: int) -> None:
+        """Put a decode step's inputs, padded to `size` rows, into the static buffers."""
+        fill_decode_rows(self.host, inputs, size, self.cache.scratch_page, self.cache.scratch_slot)
+        self.static.copy_rows_from(self.host, size)
+
+    def forward_static(self, size: int) -> torch.Tensor:
+        """The decode forward over the first `size` rows of the static buffers, then the
+        logits of every row: what each graph captures."""
+        s = self.static
+        ctx = ForwardContext(
+            is_decode=True,
+            query_start=self.query_start[: size + 1],
+            context_lens=s.context_lens[:size],
+            seq_lens=s.seq_lens[:size],
+            page_table=s.page_table[:size],
+            kv_write_slots=s.kv_write_slots[:size],
+            state_slots=s.state_slots[:size],
+            cache=self.cache,
+            max_query_len=1,
+            max_seq_len=self.max_context,
+        )
+        hidden = self.model(s.input_ids[:size], s.positions[:size], ctx)
+        return self.model.compute_logits(hidden)
+
+    def size_for(self, inputs: StepInputs) -> int | None:
+        """The graph that runs `inputs`, or None (not a decode step, or too many sequences)."""
+        if not inputs.query_lens or any(q != 1 for q in inputs.query_lens):
+            return None
+        return graph_size(len(inputs.query_lens), self.sizes)
+
+    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        """Replay the graph of `size` on `inputs`; fp32 logits of every sequence [B, V] (a
+        view of the graph's output, valid until the next replay)."""
+        self.stage(inputs, size)
+        self.graphs[size].replay()
+        return self.logits[size][: len(inputs.query_lens)]
