@@ -165,13 +165,21 @@ def test_groupwise_linear_on_gpu_equals_the_dequantized_product(format_name, row
     assert relative_error(out, exact) < 1e-2
 
 
-def test_graph_memory_is_counted_before_the_pool_is_sized():
-    from ninfer.engine.graphs import graph_memory_bytes
+def test_graph_memory_is_taken_from_the_auto_kv_pool():
+    from ninfer.engine.engine import pool_pages
 
-    config = EngineConfig(device="cuda", dtype="bfloat16", max_context=1024, max_concurrency=8)
-    core = load_core(shipped_model_path(), config)
-    model = core.runner.model
-    reserve = graph_memory_bytes(model.config, 8, 1024)
-    assert reserve > 0
-    # the graphs exist and decode a batch of every size up to the lanes
-    assert core.runner.graphs.sizes == list(range(1, 9))
+    config = EngineConfig(max_context=1 << 20, max_concurrency=64)
+    page_bytes = 1 << 20
+    device = torch.device("cuda")
+    without = pool_pages(config, page_bytes, device)
+    reserved = pool_pages(config, page_bytes, device, reserve_bytes=64 * page_bytes)
+    assert abs((without - reserved) - 64) <= 1
+
+
+def test_every_batch_size_up_to_the_lanes_has_a_graph():
+    core = load_core(
+        shipped_model_path(),
+        EngineConfig(device="cuda", dtype="bfloat16", max_context=1024, max_concurrency=8),
+    )
+    assert sorted(core.runner.graphs.graphs) == list(range(1, 9))
+    assert core.cache.scratch_page == core.cache.num_pages
