@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels can only run in Triton's interpreter, which must be switched on
+# before Triton is first imported by any test module (tests/kernels/test_triton_interpreted.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from helpers import convert_tiny, make_tiny_checkpoint
 
 
