@@ -207,6 +207,7 @@ class EngineCore:
             prompt_tokens=seq.prompt_len,
             completion_tokens=len(seq.output_ids),
             reasoning_tokens=seq.reasoning_tokens,
+            cached_tokens=seq.cached_tokens,
         )
         event.timings = seq.timings()
         self._deliver(seq, event)

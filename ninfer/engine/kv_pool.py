@@ -4,6 +4,9 @@ Gated-DeltaNet layers, with the allocators that hand them to sequences.
 Invariants (checked by `check_integrity`): every page / slot is either free or owned by exactly
 one owner, never both and never twice, and owned + free = total. A slot's GDN state and conv
 window are zeroed when the slot is handed out, so a fresh sequence starts from an empty state.
+
+A slot's state is also what a prefix hit restores (prefix_cache.py): `ModelCache` copies one
+slot into another and into / out of a `StateCheckpoint`, bit for bit.
 """
 
 from __future__ import annotations
@@ -44,6 +47,21 @@ class CacheSpec:
         state = self.gdn_heads * self.gdn_key_dim * self.gdn_value_dim * 4
         window = self.conv_dim * (self.conv_kernel - 1) * conv_dtype.itemsize
         return self.num_gdn_layers * (state + window)
+
+
+@dataclass(slots=True)
+class StateCheckpoint:
+    """One slot's recurrent state and conv window in every GDN layer, copied out of the pools
+    after a sequence's first `num_tokens` tokens (pinned host memory when the pools are on
+    CUDA). It owns its tensors: later writes to the slot do not reach it."""
+
+    num_tokens: int
+    gdn_state: list[torch.Tensor]
+    conv_window: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.gdn_state, *self.conv_window))
 
 
 class PageAllocator:
@@ -190,6 +208,41 @@ class ModelCache:
         ]
         self.pages = PageAllocator(num_pages)
         self.slots = StateSlotAllocator(num_slots, [*self.gdn_state, *self.conv_window])
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` the GDN state and conv window of slot `src` (a device-side fork)."""
+        for tensor in (*self.gdn_state, *self.conv_window):
+            tensor[dst].copy_(tensor[src])
+
+    def save_slot(self, slot: int, num_tokens: int) -> StateCheckpoint:
+        """Copy slot `slot`, which holds the state after `num_tokens` tokens, to the host."""
+        pin = self.gdn_state[0].is_cuda if self.gdn_state else False
+
+        def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+            row = tensor[slot]
+            out = torch.empty(row.shape, dtype=row.dtype, device="cpu", pin_memory=pin)
+            return out.copy_(row)
+
+        return StateCheckpoint(
+            num_tokens,
+            [host_copy(t) for t in self.gdn_state],
+            [host_copy(t) for t in self.conv_window],
+        )
+
+    def restore_slot(self, checkpoint: StateCheckpoint, slot: int) -> None:
+        """Overwrite slot `slot` with a checkpoint taken from pools of the same spec."""
+        pairs = [
+            *zip(self.gdn_state, checkpoint.gdn_state, strict=True),
+            *zip(self.conv_window, checkpoint.conv_window, strict=True),
+        ]
+        for pool, saved in pairs:
+            if pool.shape[1:] != saved.shape or pool.dtype != saved.dtype:
+                raise ValueError(
+                    f"checkpoint row {tuple(saved.shape)} {saved.dtype} does not fit pool rows "
+                    f"{tuple(pool.shape[1:])} {pool.dtype}"
+                )
+        for pool, saved in pairs:
+            pool[slot].copy_(saved)
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()

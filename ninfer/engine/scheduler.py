@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ninfer.engine.kv_pool import ModelCache
+from ninfer.engine.kv_pool import PAGE_SIZE, ModelCache
+from ninfer.engine.prefix_cache import PrefixMatch
 from ninfer.engine.sequence import Sequence, Status
 
 
@@ -82,10 +83,24 @@ class Scheduler:
             and self.cache.pages.num_free >= seq.pages_needed
         )
 
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The one place a prefix cache plugs into admission: the longest cached prefix of the
+        prompt that ends at a state checkpoint. Nothing is kept across requests yet, so every
+        prompt is computed from its first token and reports no cached tokens.
+
+        A hit will share the prefix's full pages read-only, copy its partial last page into a
+        page of the sequence before the sequence writes there, restore the checkpoint into
+        the sequence's slot, and start prefill at `cached_tokens`."""
+        return PrefixMatch()
+
     def _start(self, seq: Sequence, now: float) -> None:
         self.waiting.remove(seq)
+        match = self.match_prefix(seq)
+        match.check(seq.prompt_len)
         seq.pages = self.cache.pages.allocate(seq.request_id, seq.pages_needed)
         seq.state_slot = self.cache.slots.allocate(seq.request_id)
+        seq.advance(match.cached_tokens)
+        seq.cached_tokens = match.cached_tokens
         seq.status = Status.RUNNING
         seq.admitted_at = now
         self.running.append(seq)
@@ -157,13 +172,13 @@ class Scheduler:
     def advance(batch: ScheduledBatch) -> None:
         """Record that the batch's tokens are now in the cache."""
         for seq, n in zip(batch.seqs, batch.query_lens):
-            seq.num_cached += n
+            seq.advance(n)
 
     # ---- invariants --------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Pools are consistent, every running request owns exactly its pages and slot, and
-        nothing else owns anything."""
+        """Pools are consistent, every running request owns exactly its pages and slot and has
+        hashed each full page in the cache, and nothing else owns anything."""
         self.cache.check_integrity()
         owned_pages = 0
         for seq in self.running:
@@ -171,6 +186,7 @@ class Scheduler:
             for page in seq.pages:
                 assert self.cache.pages.owner(page) == seq.request_id, (page, seq.request_id)
             assert self.cache.slots.owner(seq.state_slot) == seq.request_id, seq.request_id
+            assert len(seq.page_hashes) == seq.num_cached // PAGE_SIZE, seq.request_id
             owned_pages += len(seq.pages)
         for seq in self.waiting:
             assert seq.status is Status.WAITING and not seq.pages and seq.state_slot < 0

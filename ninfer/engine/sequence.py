@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.engine.prefix_cache import hash_page
 from ninfer.engine.request import FinishReason, GenerationRequest, Timings, TokenEvent
 
 
@@ -24,7 +25,8 @@ class Sequence:
 
     The K/V of the first `num_cached` tokens is in the cache. While `num_cached` is below the
     prompt length the sequence is prefilling; after, it is decode-ready: its last output token
-    is the next input.
+    is the next input. `page_hashes` is the hash chain (prefix_cache.py) of the full pages among
+    those tokens; `cached_tokens` of the prompt came from a prefix match at admission.
     """
 
     request: GenerationRequest
@@ -35,6 +37,8 @@ class Sequence:
     decoder: Any = None  # chat OutputDecoder when the request detokenizes
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
+    cached_tokens: int = 0
+    page_hashes: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     state_slot: int = -1
     status: Status = Status.WAITING
@@ -65,6 +69,21 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_cached < self.prompt_len
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Ids of tokens [start, end) of prompt + output."""
+        prompt = self.request.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_ids)[start:end]
+
+    def advance(self, num_tokens: int) -> None:
+        """`num_tokens` more tokens are in the cache; hash each page they fill."""
+        self.num_cached += num_tokens
+        while (len(self.page_hashes) + 1) * PAGE_SIZE <= self.num_cached:
+            start = len(self.page_hashes) * PAGE_SIZE
+            parent = self.page_hashes[-1] if self.page_hashes else None
+            self.page_hashes.append(hash_page(parent, self.token_ids(start, start + PAGE_SIZE)))
 
     @property
     def pages_needed(self) -> int:

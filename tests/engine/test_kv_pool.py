@@ -67,3 +67,83 @@ def test_state_slot_is_zeroed_when_handed_out():
     cache.slots.allocate("c")
     with pytest.raises(PoolExhausted):
         cache.slots.allocate("d")
+
+
+def filled_cache(dtype: torch.dtype = torch.bfloat16) -> ModelCache:
+    """A cache whose every slot holds distinct random state and conv windows."""
+    cache = ModelCache(SPEC, num_pages=2, num_slots=4, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    for tensor in (*cache.gdn_state, *cache.conv_window):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+    return cache
+
+
+def slot_rows(cache: ModelCache, slot: int) -> list[torch.Tensor]:
+    return [t[slot].clone() for t in (*cache.gdn_state, *cache.conv_window)]
+
+
+def test_copy_slot_copies_every_gdn_layer_bit_for_bit_and_nothing_else():
+    cache = filled_cache()
+    source, others = slot_rows(cache, 1), [slot_rows(cache, s) for s in (0, 1, 3)]
+    cache.copy_slot(1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(slot_rows(cache, 2), source))
+    for slot, before in zip((0, 1, 3), others):
+        assert all(torch.equal(a, b) for a, b in zip(slot_rows(cache, slot), before))
+
+
+def test_checkpoint_is_a_host_copy_that_restores_exactly_into_any_slot():
+    cache = filled_cache()
+    saved_rows = slot_rows(cache, 0)
+    checkpoint = cache.save_slot(0, num_tokens=130)
+    assert checkpoint.num_tokens == 130
+    assert all(t.device.type == "cpu" for t in (*checkpoint.gdn_state, *checkpoint.conv_window))
+    assert checkpoint.conv_window[0].dtype == torch.bfloat16
+    assert checkpoint.nbytes == SPEC.slot_bytes(torch.bfloat16)
+    for tensor in (*cache.gdn_state, *cache.conv_window):
+        tensor[0].fill_(7.0)  # the slot moves on; the checkpoint must not
+    cache.restore_slot(checkpoint, 3)
+    assert all(torch.equal(a, b) for a, b in zip(slot_rows(cache, 3), saved_rows))
+
+
+def test_a_checkpoint_from_other_pools_is_refused():
+    checkpoint = filled_cache(torch.float32).save_slot(0, num_tokens=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        filled_cache(torch.bfloat16).restore_slot(checkpoint, 0)
+
+
+def test_a_restored_checkpoint_continues_exactly_like_the_uninterrupted_sequence(make_core):
+    """The model's next tokens from a slot restored from a checkpoint (or forked from the live
+    slot) have the same logits, bit for bit, as the sequence that never stopped."""
+    from ninfer.models.context import make_context
+
+    core = make_core()
+    model, cache = core.runner.model, core.cache
+    page = cache.pages.allocate("prefix", 1)
+    live, forked, restored = (cache.slots.allocate(name) for name in ("live", "fork", "back"))
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, 256, (20,), generator=gen)
+    follow = torch.randint(0, 256, (3,), generator=gen)
+
+    def run(slot: int, start: int, tokens: torch.Tensor) -> torch.Tensor:
+        # all three continuations write the same K/V into the shared page at the same places
+        ctx = make_context(
+            cache,
+            context_lens=[start],
+            query_lens=[len(tokens)],
+            page_lists=[page],
+            state_slots=[slot],
+        )
+        positions = torch.arange(start, start + len(tokens))
+        return model.compute_logits(model(tokens, positions, ctx))
+
+    run(live, 0, prompt_ids)
+    checkpoint = cache.save_slot(live, num_tokens=20)
+    cache.copy_slot(live, forked)
+    outputs = {}
+    for name, slot in (("live", live), ("fork", forked)):
+        outputs[name] = [run(slot, 20 + i, follow[i : i + 1]) for i in range(3)]
+    cache.restore_slot(checkpoint, restored)
+    outputs["back"] = [run(restored, 20 + i, follow[i : i + 1]) for i in range(3)]
+    for name in ("fork", "back"):
+        assert all(torch.equal(a, b) for a, b in zip(outputs[name], outputs["live"])), name
+    cache.check_integrity()
