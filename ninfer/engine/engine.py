@@ -544,9 +544,30 @@ def build_core(
         eos_token_ids=eos_token_ids,
         frontend=frontend,
     )
+    if device.type == "cuda":
+        warm_up_kernels(model)
     if graphs:
         core.runner.capture_graphs(config.max_context, capture_sizes(config.max_concurrency))
     return core
+
+
+def warm_up_kernels(model: torch.nn.Module) -> list[tuple[int, int, int, int]]:
+    """Pay the GDN prefill kernels' one-time autotuning for each of the model's head shapes
+    (key heads, value heads, dk, dv) now rather than in the first request; returns the shapes
+    warmed (none where the prefill does not run fla's kernels, e.g. on CPU)."""
+    from ninfer.kernels.dispatch import warm_up_chunk_gated_delta_rule
+    from ninfer.models.layers.gated_deltanet import GatedDeltaNet
+
+    shapes = {
+        (m.num_key_heads, m.num_value_heads, m.key_head_dim, m.value_head_dim)
+        for m in model.modules()
+        if isinstance(m, GatedDeltaNet)
+    }
+    return [
+        shape
+        for shape in sorted(shapes)
+        if warm_up_chunk_gated_delta_rule(*shape, model.dtype, model.device)
+    ]
 
 
 def uses_cuda_graphs(config: EngineConfig, model: torch.nn.Module) -> bool:

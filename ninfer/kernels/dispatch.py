@@ -18,7 +18,7 @@ from ninfer.kernels import rotary as rotary_reference
 from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
-from ninfer.kernels.triton_support import use_triton
+from ninfer.kernels.triton_support import HAS_TRITON, use_triton
 from ninfer.quant import EncodedTensor
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -103,6 +103,25 @@ def chunk_gated_delta_rule(
     return chunked_reference.chunk_gated_delta_rule(
         q, k, v, g, beta, states, state_slots, query_start
     )
+
+
+def warm_up_chunk_gated_delta_rule(
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> bool:
+    """Autotune fla's chunk kernels for one GDN head shape when `chunk_gated_delta_rule` would
+    run them on `device` in `dtype`; returns whether it did."""
+    device = torch.device(device)
+    if not (HAS_FLA and HAS_TRITON and device.type == "cuda" and dtype in _HALF):
+        return False
+    from ninfer.kernels import gdn_chunked_fla
+
+    gdn_chunked_fla.warm_up(num_key_heads, num_value_heads, key_dim, value_dim, dtype, device)
+    return True
 
 
 def recurrent_gated_delta_rule(

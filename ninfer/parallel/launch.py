@@ -176,7 +176,7 @@ def load_rank(
 ) -> EngineCore | Worker:
     """Load this rank's slice of the model and its pools; rank 0 gets the engine core."""
     from ninfer.artifact import Artifact
-    from ninfer.engine.engine import build_core, load_frontend, pool_pages
+    from ninfer.engine.engine import build_core, load_frontend, pool_pages, warm_up_kernels
     from ninfer.models.registry import load_model
 
     shard = Shard(group.rank, group.world, config.expert_parallel, group.device_group)
@@ -188,6 +188,8 @@ def load_rank(
     num_pages = int(pages.item())
     channel = StepChannel(group.control_group)
     if group.rank != 0:
+        if device.type == "cuda":
+            warm_up_kernels(model)
         cache = ModelCache(spec, num_pages, config.max_concurrency, device=device, dtype=dtype)
         return Worker(model, cache, channel)
     frontend, eos = load_frontend(artifact)

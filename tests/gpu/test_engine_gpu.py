@@ -11,6 +11,8 @@ import torch
 
 import ninfer
 from ninfer.engine.request import GenerationRequest, SamplingParams
+from ninfer.engine.runner import ModelRunner
+from ninfer.kernels import dispatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,3 +85,29 @@ def test_hundred_mixed_requests_leave_the_pools_intact():
         assert all(r.finish_reason in ("stop", "length", "abort") for r in results)
         engine.core.check_integrity()
         assert engine.core.cache.pages.num_free == engine.core.cache.num_pages
+
+
+@pytest.mark.skipif(not dispatch.HAS_FLA, reason="needs fla-core")
+def test_bf16_engine_start_warms_fla_for_the_gdn_heads_before_graph_capture(monkeypatch):
+    order = []
+    warm, capture = dispatch.warm_up_chunk_gated_delta_rule, ModelRunner.capture_graphs
+
+    def warm_and_record(*args):
+        order.append(("warm", args[:4]))
+        return warm(*args)
+
+    def capture_and_record(self, *args):
+        order.append(("capture", None))
+        return capture(self, *args)
+
+    monkeypatch.setattr(dispatch, "warm_up_chunk_gated_delta_rule", warm_and_record)
+    monkeypatch.setattr(ModelRunner, "capture_graphs", capture_and_record)
+    with ninfer.Engine(None, device="cuda", dtype="bfloat16", max_context=1024) as engine:
+        config = engine.core.runner.model.local_config
+    heads = (
+        config.linear_num_key_heads,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
+    assert order == [("warm", heads), ("capture", None)]

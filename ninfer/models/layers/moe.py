@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ninfer.kernels.dispatch import silu_mul
 from ninfer.models.layers.mlp import MLP
 
 # Tokens up to this many take the gathered (graph-safe) expert path on the GPU.
@@ -38,7 +39,7 @@ class Experts(nn.Module):
             token, choice = (experts == expert).nonzero(as_tuple=True)
             local = expert - self.first
             gate, up = F.linear(x[token], self.gate_up_proj[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[local])
+            y = F.linear(silu_mul(gate, up), self.down_proj[local])
             out.index_add_(0, token, y * weights[token, choice, None])
         return out
 
@@ -56,7 +57,7 @@ class Experts(nn.Module):
         for choice in range(experts.shape[1]):
             index = local[:, choice]
             gate, up = torch.bmm(self.gate_up_proj[index], x[:, :, None])[..., 0].chunk(2, dim=-1)
-            y = torch.bmm(self.down_proj[index], (F.silu(gate) * up)[:, :, None])[..., 0]
+            y = torch.bmm(self.down_proj[index], silu_mul(gate, up)[:, :, None])[..., 0]
             y = y * weights[:, choice, None]
             out = out + torch.where(held[:, choice, None], y, torch.zeros_like(y))
         return out
