@@ -64,51 +64,67 @@ class StateCheckpoint:
         return sum(t.nbytes for t in (*self.gdn_state, *self.conv_window))
 
 
-class PageAllocator:
-    """Hands out 64-token KV pages; remembers the owner of each page."""
+class OwnerTable:
+    """The owner of each of `size` items (pages or slots) and the free list; the one keeper of
+    the pools' invariant. `kind` names an item in errors ("page", "state slot")."""
 
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self._owner: list[Hashable | None] = [None] * num_pages
-        # popped from the end, so low page ids go first
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+    def __init__(self, size: int, kind: str) -> None:
+        self.kind = kind
+        self._owner: list[Hashable | None] = [None] * size
+        # popped from the end, so low ids go first
+        self._free: list[int] = list(range(size - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def owner(self, page: int) -> Hashable | None:
-        return self._owner[page]
+    def owner(self, item: int) -> Hashable | None:
+        return self._owner[item]
 
-    def allocate(self, owner: Hashable, count: int) -> list[int]:
-        if count > len(self._free):
-            raise PoolExhausted(f"need {count} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(count)]
-        for page in pages:
-            self._owner[page] = owner
-        return pages
+    def _take(self, owner: Hashable, count: int) -> list[int]:
+        """`count` free items for `owner`; the caller checked `num_free`."""
+        items = [self._free.pop() for _ in range(count)]
+        for item in items:
+            self._owner[item] = owner
+        return items
 
-    def free(self, pages: Sequence[int]) -> None:
-        for page in pages:
-            if self._owner[page] is None:
-                raise ValueError(f"page {page} is already free")
-            self._owner[page] = None
-            self._free.append(page)
+    def _release(self, items: Sequence[int]) -> None:
+        for item in items:
+            if self._owner[item] is None:
+                raise ValueError(f"{self.kind} {item} is already free")
+            self._owner[item] = None
+            self._free.append(item)
 
     def check_integrity(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
-            raise AssertionError("a page is on the free list twice")
-        owned = {p for p, o in enumerate(self._owner) if o is not None}
+            raise AssertionError(f"a {self.kind} is on the free list twice")
+        owned = {i for i, o in enumerate(self._owner) if o is not None}
         if owned & free:
-            raise AssertionError(f"pages both owned and free: {sorted(owned & free)}")
-        if len(owned) + len(free) != self.num_pages:
+            raise AssertionError(f"{self.kind}s both owned and free: {sorted(owned & free)}")
+        if len(owned) + len(free) != len(self._owner):
             raise AssertionError(
-                f"owned {len(owned)} + free {len(free)} != total {self.num_pages} pages"
+                f"owned {len(owned)} + free {len(free)} != total {len(self._owner)} {self.kind}s"
             )
 
 
-class StateSlotAllocator:
+class PageAllocator(OwnerTable):
+    """Hands out 64-token KV pages; remembers the owner of each page."""
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__(num_pages, "page")
+        self.num_pages = num_pages
+
+    def allocate(self, owner: Hashable, count: int) -> list[int]:
+        if count > self.num_free:
+            raise PoolExhausted(f"need {count} KV pages, {self.num_free} free")
+        return self._take(owner, count)
+
+    def free(self, pages: Sequence[int]) -> None:
+        self._release(pages)
+
+
+class StateSlotAllocator(OwnerTable):
     """Hands out GDN state slots (recurrent state + conv window of every GDN layer).
 
     `tensors` are the per-layer pools indexed by slot on dim 0; a slot is zeroed in all of them
@@ -116,44 +132,20 @@ class StateSlotAllocator:
     """
 
     def __init__(self, num_slots: int, tensors: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__(num_slots, "state slot")
         self.num_slots = num_slots
         self._tensors = list(tensors)
-        self._owner: list[Hashable | None] = [None] * num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def owner(self, slot: int) -> Hashable | None:
-        return self._owner[slot]
 
     def allocate(self, owner: Hashable) -> int:
-        if not self._free:
+        if not self.num_free:
             raise PoolExhausted("no free state slot")
-        slot = self._free.pop()
-        self._owner[slot] = owner
+        (slot,) = self._take(owner, 1)
         for tensor in self._tensors:
             tensor[slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:
-        if self._owner[slot] is None:
-            raise ValueError(f"state slot {slot} is already free")
-        self._owner[slot] = None
-        self._free.append(slot)
-
-    def check_integrity(self) -> None:
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a state slot is on the free list twice")
-        owned = {s for s, o in enumerate(self._owner) if o is not None}
-        if owned & free:
-            raise AssertionError(f"state slots both owned and free: {sorted(owned & free)}")
-        if len(owned) + len(free) != self.num_slots:
-            raise AssertionError(
-                f"owned {len(owned)} + free {len(free)} != total {self.num_slots} state slots"
-            )
+        self._release([slot])
 
 
 class ModelCache:

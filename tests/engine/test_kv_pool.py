@@ -4,7 +4,13 @@ owned + free = total, and a slot is handed out zeroed."""
 import pytest
 import torch
 
-from ninfer.engine.kv_pool import CacheSpec, ModelCache, PageAllocator, PoolExhausted
+from ninfer.engine.kv_pool import (
+    CacheSpec,
+    ModelCache,
+    PageAllocator,
+    PoolExhausted,
+    StateSlotAllocator,
+)
 
 SPEC = CacheSpec(
     num_attention_layers=2,
@@ -51,6 +57,19 @@ def test_check_integrity_catches_a_page_both_owned_and_free():
     pages._free.append(page)  # corrupt the pool the way a double free would
     with pytest.raises(AssertionError):
         pages.check_integrity()
+
+
+def test_state_slots_keep_the_same_invariant_as_pages():
+    slots = StateSlotAllocator(3)
+    slot = slots.allocate("a")
+    slots.free(slot)
+    with pytest.raises(ValueError, match="state slot"):
+        slots.free(slot)
+    slots.check_integrity()
+    slot = slots.allocate("b")
+    slots._free.append(slot)  # a double free that skipped the check
+    with pytest.raises(AssertionError, match="state slot"):
+        slots.check_integrity()
 
 
 def test_state_slot_is_zeroed_when_handed_out():
