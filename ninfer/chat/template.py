@@ -232,6 +232,11 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # The template is data, and so is the conversation it is given: a Python error
+            # inside the template means this conversation does not fit it (e.g. a tool schema
+            # of an unexpected shape), not that ninfer is broken.
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
 
     def resolve_reasoning(
         self, enable_thinking: bool | None = None, reasoning_effort: str | None = None

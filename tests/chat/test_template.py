@@ -226,6 +226,15 @@ def test_template_raise_exception_is_a_typed_error(frontend):
         frontend.render([{"role": "function", "content": "x"}])
 
 
+def test_python_error_inside_the_template_is_a_typed_error():
+    # a tool schema of a shape this template does not expect: the sum is a TypeError in Jinja
+    template = ChatTemplate("{% for t in tools %}{{ t.function.parameters.count + 1 }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"count": "many"}}}]
+
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        template.render([{"role": "user", "content": "hi"}], tools=tools)
+
+
 def test_template_embedded_in_tokenizer_config_is_used(resources):
     tokenizer_json, config, template, generation = resources
     frontend = ChatFrontend(tokenizer_json, {**config, "chat_template": template}, None, generation)
