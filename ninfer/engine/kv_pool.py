@@ -113,7 +113,6 @@ class PageAllocator(OwnerTable):
 
     def __init__(self, num_pages: int) -> None:
         super().__init__(num_pages, "page")
-        self.num_pages = num_pages
 
     def allocate(self, owner: Hashable, count: int) -> list[int]:
         if count > self.num_free:
@@ -133,7 +132,6 @@ class StateSlotAllocator(OwnerTable):
 
     def __init__(self, num_slots: int, tensors: Sequence[torch.Tensor] = ()) -> None:
         super().__init__(num_slots, "state slot")
-        self.num_slots = num_slots
         self._tensors = list(tensors)
 
     def allocate(self, owner: Hashable) -> int:

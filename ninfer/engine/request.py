@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ninfer.errors import InvalidRequestError
@@ -120,9 +120,6 @@ class GenerationRequest:
     request_id: str = field(default_factory=new_request_id)
     starts_in_reasoning: bool = False
     detokenize: bool = True
-
-    def with_params(self, **changes: object) -> GenerationRequest:
-        return replace(self, params=replace(self.params, **changes))
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,10 +24,6 @@ class ForwardContext:
     max_query_len: int
     max_seq_len: int
 
-    @property
-    def num_seqs(self) -> int:
-        return self.state_slots.shape[0]
-
 
 def make_context(
     cache: ModelCache,
