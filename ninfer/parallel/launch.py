@@ -34,7 +34,7 @@ from ninfer.engine.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.engine.kv_pool import ModelCache, StateSlotAllocator
 from ninfer.engine.runner import ModelRunner, StepInputs
-from ninfer.errors import ConfigError, NinferError
+from ninfer.errors import ConfigError
 from ninfer.parallel.channel import StepChannel
 from ninfer.parallel.shard import Shard
 
@@ -51,10 +51,6 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("NINFER_COLLECTIVE_TIMEOUT_S", "300"
 # the step channel waits as long as rank 0 has nothing to run
 IDLE_TIMEOUT = timedelta(days=365)
 RANK_FAILED_EXIT = 1
-
-
-class RankFailed(NinferError):
-    """Another rank of the tensor-parallel group died or stopped answering."""
 
 
 @dataclass(slots=True)
