@@ -340,14 +340,6 @@ def move_no_overwrite(src: Path, dst: Path) -> None:
     src.unlink()
 
 
-def remove_container(path: str | os.PathLike) -> None:
-    """Delete an entry file and every `.part-NNNN` beside it (used to clean up after a failure)."""
-    path = Path(path)
-    path.unlink(missing_ok=True)
-    for part in path.parent.glob(f"{path.name}.part-*"):
-        part.unlink(missing_ok=True)
-
-
 # --------------------------------------------------------------------------------------- reading
 
 
