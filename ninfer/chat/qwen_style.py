@@ -176,9 +176,6 @@ def qwen_style_template(efforts: Iterable[str] = (), default_effort: str | None 
     return source.strip("\n") + "\n"
 
 
-QWEN_STYLE_TEMPLATE = qwen_style_template()
-
-
 def build_qwen_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> Tokenizer:
     """A byte-level BPE tokenizer trained on `corpus` with the Qwen added tokens. Any text
     encodes (unseen characters fall back to bytes), so it can split UTF-8 characters."""
