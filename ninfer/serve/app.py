@@ -22,10 +22,14 @@ from ninfer.serve.auth import OPEN_PATHS, authorized
 from ninfer.serve.errors import (
     ApiError,
     bad_json,
+    cancel_not_supported,
     client_disconnected,
+    compaction_not_supported,
     invalid_api_key,
     model_not_found,
     request_too_large,
+    response_not_found,
+    route_error,
     to_api_error,
 )
 from ninfer.serve.metrics import CONTENT_TYPE, Metrics
@@ -296,8 +300,7 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        code = "not_found" if exc.status_code == 404 else None
-        return error_response(ApiError(exc.status_code, message, code=code), request.url.path)
+        return error_response(route_error(exc.status_code, message), request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -465,16 +468,13 @@ def create_app(
 
     @app.post("/v1/responses/compact")
     async def compact_response(request: Request) -> Response:
-        err = ApiError(400, "response compaction is not supported", code="compaction_not_supported")
-        return error_response(err, request.url.path)
+        return error_response(compaction_not_supported(), request.url.path)
 
     def stored_or_404(response_id: str):
         record = state.store.get(response_id)
         if record is None:
-            raise ApiError(
-                404,
-                f"response '{response_id}' was not found (never stored, deleted or evicted)",
-                code="response_not_found",
+            raise response_not_found(
+                f"response '{response_id}' was not found (never stored, deleted or evicted)"
             )
         return record
 
@@ -489,8 +489,7 @@ def create_app(
     async def delete_response(response_id: str, request: Request) -> Response:
         if not state.store.delete(response_id):
             return error_response(
-                ApiError(404, f"response '{response_id}' was not found", code="response_not_found"),
-                request.url.path,
+                response_not_found(f"response '{response_id}' was not found"), request.url.path
             )
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -506,11 +505,7 @@ def create_app(
     async def cancel_response(response_id: str, request: Request) -> Response:
         try:
             stored_or_404(response_id)
-            raise ApiError(
-                400,
-                "only background responses can be cancelled, and this server runs none",
-                code="background_not_supported",
-            )
+            raise cancel_not_supported()
         except ApiError as err:
             return error_response(err, request.url.path)
 

@@ -94,10 +94,43 @@ def invalid_api_key() -> ApiError:
     return ApiError(401, "missing or invalid API key", code="invalid_api_key")
 
 
-def model_not_found(model: str) -> ApiError:
+def model_not_found(model: str, served: str | None = None) -> ApiError:
+    message = f"the model '{model}' does not exist"
+    if served is not None:
+        message += f" (this server serves '{served}')"
+    return ApiError(404, message, code="model_not_found", param="model")
+
+
+def route_error(status: int, message: str) -> ApiError:
+    """A routing failure (unknown path, wrong method) with the status the router chose."""
+    return ApiError(status, message, code="not_found" if status == 404 else None)
+
+
+def response_not_found(message: str, param: str | None = None) -> ApiError:
+    """A Responses id the store does not hold (never stored, deleted or evicted)."""
+    return ApiError(404, message, code="response_not_found", param=param)
+
+
+def compaction_not_supported() -> ApiError:
+    return ApiError(400, "response compaction is not supported", code="compaction_not_supported")
+
+
+def cancel_not_supported() -> ApiError:
     return ApiError(
-        404, f"the model '{model}' does not exist", code="model_not_found", param="model"
+        400,
+        "only background responses can be cancelled, and this server runs none",
+        code="background_not_supported",
     )
+
+
+def no_result() -> ApiError:
+    """The engine's event stream ended without a final event."""
+    return ApiError(503, "the engine ended the request without a result", "service_unavailable")
+
+
+def generation_failed(detail: object) -> ApiError:
+    """A request ended with an error that is not an exception to re-raise."""
+    return ApiError(500, f"generation failed: {detail or 'engine error'}", "internal_error")
 
 
 def client_disconnected() -> ApiError:

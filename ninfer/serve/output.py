@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ninfer.chat.tool_calls import ToolCall, ToolCallStreamFilter
 from ninfer.engine.request import TokenEvent, Usage
-from ninfer.serve.errors import ApiError
+from ninfer.serve.errors import generation_failed, no_result
 
 
 @dataclass(slots=True)
@@ -61,11 +61,11 @@ async def output_stream(
             last = event
             break
     if last is None:
-        raise ApiError(503, "the engine ended the request without a result", "service_unavailable")
+        raise no_result()
     if last.finish_reason == "error":
         if isinstance(last.error, Exception):
             raise last.error
-        raise ApiError(500, f"generation failed: {last.error or 'engine error'}", "internal_error")
+        raise generation_failed(last.error)
     text = "".join(content)
     calls: list[ToolCall] = []
     if held is not None:

@@ -17,7 +17,7 @@ from typing import Any
 from ninfer.chat.presets import SamplingFields
 from ninfer.chat.template import ChatTemplate, ChatTemplateOptionError
 from ninfer.chat.tool_calls import ANTHROPIC_NAME_LIMIT, OPENAI_NAME_LIMIT, ToolCall
-from ninfer.serve.errors import ApiError, invalid
+from ninfer.serve.errors import invalid, model_not_found
 
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 OPENAI_TOOL_NAME_MAX = OPENAI_NAME_LIMIT
@@ -251,9 +251,4 @@ def sampling_from(body: dict, *, top_k: bool = True, min_p: bool = True) -> Samp
 
 def check_model(info: ModelInfo, model: str) -> None:
     if model != info.model_id:
-        raise ApiError(
-            404,
-            f"the model '{model}' does not exist (this server serves '{info.model_id}')",
-            code="model_not_found",
-            param="model",
-        )
+        raise model_not_found(model, served=info.model_id)

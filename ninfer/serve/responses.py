@@ -15,7 +15,7 @@ from typing import Any
 
 from ninfer.chat.presets import SamplingFields
 from ninfer.chat.tool_calls import ToolCall
-from ninfer.serve.errors import ApiError, invalid, to_api_error
+from ninfer.serve.errors import ApiError, invalid, response_not_found, to_api_error
 from ninfer.serve.output import Completion, TextDelta, new_id
 from ninfer.serve.request import (
     OPENAI_TOOL_NAME_MAX,
@@ -175,10 +175,8 @@ def parse_responses_request(body: Any, info: ModelInfo, store: ResponseStore) ->
     if previous_id is not None:
         parent = store.get(previous_id)
         if parent is None:
-            raise ApiError(
-                404,
+            raise response_not_found(
                 f"previous response '{previous_id}' was not found (never stored, deleted or evicted)",
-                code="response_not_found",
                 param="previous_response_id",
             )
         context = parent.context_items()
