@@ -143,21 +143,15 @@ def to_api_error(exc: BaseException) -> ApiError:
     """Map any exception raised while serving a request to its ApiError."""
     if isinstance(exc, ApiError):
         return exc
-    name = type(exc).__name__
-    # Engine errors are typed in ninfer.errors; matched by class so that this module does not
-    # need to change when the engine adds a field to one of them.
-    context_cls = getattr(core_errors, "ContextLengthExceeded", None)
-    queue_full_cls = getattr(core_errors, "QueueFull", None)
-    queue_timeout_cls = getattr(core_errors, "QueueTimeout", None)
-    if context_cls is not None and isinstance(exc, context_cls):
+    if isinstance(exc, core_errors.ContextLengthExceeded):
         return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
-    if queue_full_cls is not None and isinstance(exc, queue_full_cls):
+    if isinstance(exc, core_errors.QueueFull):
         return ApiError(429, str(exc) or "no free active or pending slot", code="server_overloaded")
-    if queue_timeout_cls is not None and isinstance(exc, queue_timeout_cls):
+    if isinstance(exc, core_errors.QueueTimeout):
         return ApiError(503, str(exc) or "pending deadline expired", code="request_queue_timeout")
     if isinstance(exc, core_errors.NinferError):
         return ApiError(400, str(exc))
-    return ApiError(500, f"internal error ({name})", code="internal_error")
+    return ApiError(500, f"internal error ({type(exc).__name__})", code="internal_error")
 
 
 def sse_error_event(err: ApiError, *, anthropic: bool) -> bytes:
