@@ -331,7 +331,7 @@ def _usage(completion: Completion) -> dict:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "total_tokens": u.total_tokens,
     }
 
 

@@ -572,7 +572,7 @@ def response_body(
             "input_tokens_details": {"cached_tokens": u.cached_tokens},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "total_tokens": u.total_tokens,
         }
     return {
         "id": call.response_id,
