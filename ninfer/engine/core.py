@@ -10,6 +10,8 @@ import secrets
 import time
 from collections.abc import Callable, Collection
 
+import torch
+
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import ModelCache
 from ninfer.engine.request import FinishReason, GenerationRequest, TokenEvent, Usage
@@ -233,6 +235,6 @@ class EngineCore:
         assert live == set(self.sequences), "a sequence is tracked but not scheduled"
 
 
-def cache_device(cache: ModelCache):
+def cache_device(cache: ModelCache) -> torch.device:
     tensors = cache.k or cache.gdn_state
     return tensors[0].device

@@ -17,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,10 @@ from ninfer.engine.request import (
     Usage,
 )
 from ninfer.errors import ConfigError, EngineClosed, NinferError, QueueFull
+
+if TYPE_CHECKING:
+    from ninfer.chat.frontend import ChatFrontend
+    from ninfer.chat.tokenizer import Tokenizer
 
 log = logging.getLogger("ninfer.engine")
 
@@ -163,7 +167,7 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         """The chat layer's tokenizer (None for an artifact without one)."""
         return None if self.frontend is None else self.frontend.tokenizer
 
@@ -409,14 +413,16 @@ class AsyncEngine:
         return self.engine.config
 
     @property
-    def frontend(self):
+    def frontend(self) -> ChatFrontend | None:
         return self.engine.frontend
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
-    def chat_request(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any):
+    def chat_request(
+        self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
+    ) -> GenerationRequest:
         """See `Engine.chat_request`."""
         return self.engine.chat_request(messages, *args, **kwargs)
 

@@ -155,7 +155,7 @@ def causal_conv1d(
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     module = norm_reference
     if use_triton(x):
         from ninfer.kernels import rms_norm_triton as module

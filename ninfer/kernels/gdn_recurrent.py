@@ -14,7 +14,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_value_heads: int):
+def prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_value_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32, normalised, scaled q and k expanded to the value heads: [T, Hv, dk] each."""
     ratio = num_value_heads // q.shape[1]
     q = l2norm(q.float()) * q.shape[-1] ** -0.5

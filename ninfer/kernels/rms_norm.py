@@ -11,7 +11,7 @@ import torch
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Returns y, or (y, x + residual) when `residual` is given."""
     total = x if residual is None else x + residual
     xf = total.float()

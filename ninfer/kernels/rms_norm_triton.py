@@ -50,7 +50,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `rms_norm.rms_norm`; x may be a strided view (e.g. q heads inside q_proj)."""
     dim = x.shape[-1]
     rows = _rows(x)

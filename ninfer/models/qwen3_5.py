@@ -150,7 +150,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, hidden, rotary, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
         if self.layer_type == "full_attention":
             mixed = self.self_attn(normed, rotary, cos, sin, ctx)

@@ -9,14 +9,22 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ninfer.chat.presets import SamplingFields
 from ninfer.serve.settings import ServeSettings
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ninfer.engine.config import EngineConfig
+    from ninfer.engine.engine import AsyncEngine
+    from ninfer.serve.app import ServerState
+
 log = logging.getLogger("ninfer.serve")
 
 
-def engine_config(settings: ServeSettings):
+def engine_config(settings: ServeSettings) -> EngineConfig:
     from ninfer.engine.config import EngineConfig
 
     return EngineConfig(
@@ -35,7 +43,9 @@ def engine_config(settings: ServeSettings):
     )
 
 
-def build_state(settings: ServeSettings, engine, model_path: Path, argv: list[str]):
+def build_state(
+    settings: ServeSettings, engine: AsyncEngine, model_path: Path, argv: list[str]
+) -> ServerState:
     """The app state over a started `AsyncEngine`."""
     from ninfer.errors import NinferError
     from ninfer.serve.app import ServerState
@@ -141,7 +151,7 @@ async def _log_stats(state, interval_s: float) -> None:
         last_prompt, last_gen, last = prompt, gen, now
 
 
-def build_app(settings: ServeSettings, argv: list[str]):
+def build_app(settings: ServeSettings, argv: list[str]) -> tuple[FastAPI, ServerState, AsyncEngine]:
     """(app, state, engine): the engine is started; closing it is the caller's job (the app
     closes it at shutdown)."""
     from ninfer.engine.engine import AsyncEngine, shipped_model_path

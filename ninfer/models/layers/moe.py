@@ -26,7 +26,9 @@ class Experts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in the model
         dtype, expert by expert in id order, as the transformers reference does."""
         if x.is_cuda and x.shape[0] <= GATHERED_MAX_TOKENS:
@@ -43,7 +45,9 @@ class Experts(nn.Module):
             out.index_add_(0, token, y * weights[token, choice, None])
         return out
 
-    def _forward_gathered(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+    def _forward_gathered(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Decode-sized batches on the GPU: no host sync and fixed shapes (CUDA-graph safe).
         Each token's k chosen experts are taken in id order (the order the loop above adds
         them), their weights gathered per token and applied as batched matrix-vector products."""

@@ -34,7 +34,9 @@ class RotaryEmbedding:
         axis[(index % 3 == 2) & (index < 3 * mrope_section[2])] = 2
         self.axis_of_freq = axis
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] (text) or [3, T] (T/H/W). Returns cos, sin: [T, rot] in `dtype`."""
         if positions.dim() == 1:
             positions = positions[None].expand(3, -1)
