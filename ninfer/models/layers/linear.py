@@ -5,7 +5,7 @@ the weight to the activation dtype and run a dense matmul, which is compute-boun
 
 `quantize_linears` swaps the `nn.Linear`s of a model built on the meta device for these where
 the weight source stores a supported format. It is used on CUDA in half precision only: the
-CPU path keeps today's weights dequantized at load, so it stays the exact reference."""
+CPU path keeps every weight dequantized at load, so it stays the exact reference."""
 
 from __future__ import annotations
 
