@@ -288,7 +288,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- engine thread ---------------------------------------------------------------------
+    # ---- internals: `_ids` runs in the caller's thread, the rest on the engine thread --------
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
