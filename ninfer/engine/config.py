@@ -21,6 +21,7 @@ class EngineConfig:
     requests, or "auto" for the largest pool that fits next to the weights (on CPU, enough for
     every lane at `max_context`). `prefill_chunk`: prompt tokens processed per step.
     `default_max_tokens`: output limit of a request that sets none (None: up to `max_context`).
+    `kv_headroom_bytes`: GPU memory an `auto` K/V pool leaves free.
     `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU. `tensor_parallel`: ranks
     the model is split over (one process each; docs/parallel.md), `expert_parallel`: split the
     MoE experts whole across those ranks instead of slicing each one. `cuda_graph`: replay
