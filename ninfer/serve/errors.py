@@ -149,6 +149,8 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(429, str(exc) or "no free active or pending slot", code="server_overloaded")
     if isinstance(exc, core_errors.QueueTimeout):
         return ApiError(503, str(exc) or "pending deadline expired", code="request_queue_timeout")
+    if isinstance(exc, core_errors.EngineClosed):
+        return ApiError(503, str(exc) or "the engine is not running", code="service_unavailable")
     if isinstance(exc, core_errors.NinferError):
         return ApiError(400, str(exc))
     return ApiError(500, f"internal error ({type(exc).__name__})", code="internal_error")

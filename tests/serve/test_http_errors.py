@@ -10,7 +10,7 @@ import re
 import pytest
 from serve_helpers import MODEL_ID
 
-from ninfer.errors import QueueFull, QueueTimeout
+from ninfer.errors import EngineClosed, QueueFull, QueueTimeout
 from ninfer.serve.app import unless_disconnected
 from ninfer.serve.errors import ApiError, to_api_error
 from ninfer.serve.request_log import redact_argv
@@ -130,6 +130,12 @@ def test_pending_deadline_is_503_request_queue_timeout(make_client, engine):
     assert anthropic_error(make_client().post("/v1/messages", json=MESSAGES), 503)["type"] == (
         "api_error"
     )
+
+
+def test_closed_engine_is_503_service_unavailable(make_client, engine):
+    engine.script, engine.finish, engine.finish_error = [], "error", EngineClosed("shut down")
+    response = make_client().post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert openai_error(response, 503)["code"] == "service_unavailable"
 
 
 def test_internal_errors_are_500(make_client, engine):
