@@ -46,40 +46,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-p",
         dest="prompts",
+        metavar="LENGTHS",
         type=int_list,
         action="append",
         help="prefill tests, prompt lengths (e.g. 512,4096)",
     )
     parser.add_argument(
-        "-n", dest="gens", type=int_list, action="append", help="decode tests, tokens generated"
+        "-n",
+        dest="gens",
+        metavar="COUNTS",
+        type=int_list,
+        action="append",
+        help="decode tests, tokens generated (e.g. 128)",
     )
     parser.add_argument(
         "-pg",
         dest="prompt_gens",
+        metavar="PROMPT,GEN",
         type=prompt_gen_pair,
         action="append",
         help="prefill then decode, PROMPT,GEN (repeatable)",
     )
-    parser.add_argument("-r", dest="repetitions", type=int, default=3, help="timed repetitions")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before each test")
+    parser.add_argument(
+        "-r",
+        dest="repetitions",
+        metavar="N",
+        type=int,
+        default=3,
+        help="timed repetitions (default 3)",
+    )
+    parser.add_argument(
+        "--warmup",
+        metavar="N",
+        type=int,
+        default=1,
+        help="untimed runs before each test (default 1)",
+    )
     parser.add_argument(
         "--concurrency",
+        metavar="LIST",
         type=int_list,
         default=[1],
-        help="requests run at once, a list (e.g. 1,2,4,8)",
+        help="requests run at once, a list (e.g. 1,2,4,8; default 1)",
     )
-    parser.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per step")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     parser.add_argument(
-        "--peer", action="append", choices=("hf",), default=[], help="also time transformers"
+        "--prefill-chunk",
+        metavar="N",
+        type=int,
+        default=1024,
+        help="prompt tokens per step (default 1024)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        choices=("hf",),
+        default=[],
+        help="also time transformers on the same tests (repeatable)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of random weights and prompts (default 0)"
+    )
     parser.add_argument(
         "--no-cuda-graph", action="store_true", help="run decode steps eagerly (debugging)"
     )
-    parser.add_argument("-o", dest="output", choices=("table", "json"), default="table")
-    parser.add_argument("--output-file", help="also write the JSON report here")
+    parser.add_argument(
+        "-o",
+        dest="output",
+        choices=("table", "json"),
+        default="table",
+        help="report on stdout as a table or JSON (default table)",
+    )
+    parser.add_argument("--output-file", metavar="FILE", help="also write the JSON report here")
 
 
 def run(args: argparse.Namespace) -> int:

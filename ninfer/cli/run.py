@@ -126,13 +126,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument(
         "--greedy", action="store_true", default=None, help="argmax decoding (applied last)"
     )
-    sampling.add_argument("--temperature", type=float)
-    sampling.add_argument("--top-p", type=float)
-    sampling.add_argument("--top-k", type=int)
-    sampling.add_argument("--min-p", type=float)
-    sampling.add_argument("--presence-penalty", type=float)
-    sampling.add_argument("--frequency-penalty", type=float)
-    sampling.add_argument("--seed", type=int, help="default 0")
+    sampling.add_argument("--temperature", type=float, help=">= 0; 0 picks the likeliest token")
+    sampling.add_argument("--top-p", type=float, help="nucleus mass, in (0, 1]")
+    sampling.add_argument("--top-k", type=int, help="keep the k likeliest tokens; 0 disables")
+    sampling.add_argument("--min-p", type=float, help="in [0, 1], relative to the likeliest token")
+    sampling.add_argument("--presence-penalty", type=float, help="in [-2, 2]")
+    sampling.add_argument("--frequency-penalty", type=float, help="in [-2, 2]")
+    sampling.add_argument("--seed", type=int, help="sampling seed (default 0)")
 
     stops = parser.add_argument_group("stops")
     stops.add_argument(

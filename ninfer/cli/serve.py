@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         model,
         "--kv-capacity",
         str,
-        "attention K/V tokens shared by all requests, or auto",
+        "attention K/V tokens shared by all requests, or auto (default auto)",
         "N|auto",
     )
     _flag(model, "--prefill-chunk", int, f"prompt tokens per step (default {d.prefill_chunk})", "N")
