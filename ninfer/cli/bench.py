@@ -6,9 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 
 from ninfer.bench.shapes import SHAPES
+from ninfer.cli.config import add_config_argument, check_choice, settings_from
 from ninfer.errors import ConfigError
+
+WEIGHTS = ("bf16", "q8", "q4")
+DTYPES = ("bfloat16", "float16", "float32")
+PEERS = ("hf",)
+OUTPUTS = ("table", "json")
 
 
 def int_list(text: str) -> list[int]:
@@ -30,8 +37,61 @@ def prompt_gen_pair(text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def _as_text(value: object) -> str:
+    """A file's list of integers in the flag's comma-separated form."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+@dataclass(slots=True)
+class BenchSettings:
+    """Settings of `ninfer bench` (flags or `--config` keys) with their defaults. The one-letter
+    flags' keys are their long names: prompts (-p), gens (-n), prompt_gens (-pg), repetitions
+    (-r), output (-o)."""
+
+    file: str | None = None
+    shape: str | None = None
+    weights: str = "q4"
+    prompts: list[int] = field(default_factory=list)
+    gens: list[int] = field(default_factory=list)
+    prompt_gens: list[tuple[int, int]] = field(default_factory=list)
+    repetitions: int = 3
+    warmup: int = 1
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    prefill_chunk: int = 1024
+    device: str | None = None
+    dtype: str | None = None
+    peer: list[str] = field(default_factory=list)
+    seed: int = 0
+    no_cuda_graph: bool = False
+    output: str = "table"
+    output_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is not None:
+            check_choice("shape", self.shape, list(SHAPES))
+        check_choice("weights", self.weights, WEIGHTS)
+        if self.dtype is not None:
+            check_choice("dtype", self.dtype, DTYPES)
+        check_choice("output", self.output, OUTPUTS)
+        for peer in self.peer:
+            check_choice("peer", peer, PEERS)
+        try:
+            self.prompts = int_list(_as_text(self.prompts)) if self.prompts else []
+            self.gens = int_list(_as_text(self.gens)) if self.gens else []
+            self.concurrency = int_list(_as_text(self.concurrency))
+            self.prompt_gens = [prompt_gen_pair(_as_text(pair)) for pair in self.prompt_gens]
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+SETTINGS = BenchSettings
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", nargs="?", help=".ninfer artifact")
+    add_config_argument(parser)
     parser.add_argument(
         "--shape",
         choices=list(SHAPES),
@@ -39,8 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weights",
-        choices=("bf16", "q8", "q4"),
-        default="q4",
+        choices=WEIGHTS,
         help="with --shape: the stored formats the speed-of-light bytes count (default q4)",
     )
     parser.add_argument(
@@ -48,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="prompts",
         metavar="LENGTHS",
         type=int_list,
-        action="append",
+        action="extend",
         help="prefill tests, prompt lengths (e.g. 512,4096)",
     )
     parser.add_argument(
@@ -56,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="gens",
         metavar="COUNTS",
         type=int_list,
-        action="append",
+        action="extend",
         help="decode tests, tokens generated (e.g. 128)",
     )
     parser.add_argument(
@@ -72,70 +131,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="repetitions",
         metavar="N",
         type=int,
-        default=3,
         help="timed repetitions (default 3)",
     )
     parser.add_argument(
         "--warmup",
         metavar="N",
         type=int,
-        default=1,
         help="untimed runs before each test (default 1)",
     )
     parser.add_argument(
         "--concurrency",
         metavar="LIST",
         type=int_list,
-        default=[1],
         help="requests run at once, a list (e.g. 1,2,4,8; default 1)",
     )
     parser.add_argument(
         "--prefill-chunk",
         metavar="N",
         type=int,
-        default=1024,
         help="prompt tokens per step (default 1024)",
     )
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument(
         "--dtype",
-        choices=("bfloat16", "float16", "float32"),
+        choices=DTYPES,
         help="default: bfloat16 on cuda, float32 on cpu",
     )
     parser.add_argument(
         "--peer",
         action="append",
-        choices=("hf",),
-        default=[],
+        choices=PEERS,
         help="also time transformers on the same tests (repeatable)",
     )
+    parser.add_argument("--seed", type=int, help="seed of random weights and prompts (default 0)")
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of random weights and prompts (default 0)"
-    )
-    parser.add_argument(
-        "--no-cuda-graph", action="store_true", help="run decode steps eagerly (debugging)"
+        "--no-cuda-graph",
+        action="store_true",
+        default=None,
+        help="run decode steps eagerly (debugging)",
     )
     parser.add_argument(
         "-o",
         dest="output",
-        choices=("table", "json"),
-        default="table",
+        choices=OUTPUTS,
         help="report on stdout as a table or JSON (default table)",
     )
     parser.add_argument("--output-file", metavar="FILE", help="also write the JSON report here")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(inputs: argparse.Namespace) -> int:
     from ninfer.bench.cases import make_cases
     from ninfer.bench.run import BenchOptions, format_table, run_bench
 
-    prompts = sorted({p for group in args.prompts or [] for p in group})
-    gens = sorted({n for group in args.gens or [] for n in group})
+    args = settings_from(BenchSettings, inputs, "bench")
+    prompts = sorted(set(args.prompts))
+    gens = sorted(set(args.gens))
     if not (prompts or gens or args.prompt_gens):
         prompts, gens = [512], [128]
     if args.file is None and args.shape is None:
         raise ConfigError("give a .ninfer file or --shape")
-    cases = make_cases(prompts, gens, args.prompt_gens or [], args.concurrency)
+    cases = make_cases(prompts, gens, args.prompt_gens, args.concurrency)
     report = run_bench(
         BenchOptions(
             cases=cases,

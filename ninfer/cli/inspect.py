@@ -4,18 +4,36 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+
+from ninfer.cli.config import add_config_argument, require, settings_from
+
+
+@dataclass(slots=True)
+class InspectSettings:
+    """Settings of `ninfer inspect` (flags or `--config` keys) with their defaults."""
+
+    file: str | None = None  # required
+    objects: bool = False
+    bindings: bool = False
+    json: bool = False
+    verify: bool = False
+
+
+SETTINGS = InspectSettings
+
+
+def _switch(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+    parser.add_argument(name, action="store_true", default=None, help=help_text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE", help=".ninfer artifact")
-    parser.add_argument("--objects", action="store_true", help="list every object")
-    parser.add_argument(
-        "--bindings", action="store_true", help="list logical name -> object bindings"
-    )
-    parser.add_argument("--json", action="store_true", help="print the header JSON")
-    parser.add_argument(
-        "--verify", action="store_true", help="check sizes and every object's xxh64 checksum"
-    )
+    parser.add_argument("file", metavar="FILE", nargs="?", help=".ninfer artifact")
+    add_config_argument(parser)
+    _switch(parser, "--objects", "list every object")
+    _switch(parser, "--bindings", "list logical name -> object bindings")
+    _switch(parser, "--json", "print the header JSON")
+    _switch(parser, "--verify", "check sizes and every object's xxh64 checksum")
 
 
 def _summary(artifact) -> list[str]:
@@ -49,9 +67,11 @@ def _summary(artifact) -> list[str]:
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
+def run(inputs: argparse.Namespace) -> int:
     from ninfer.artifact import Artifact
 
+    args = settings_from(InspectSettings, inputs, "inspect")
+    require(args, file="FILE")
     artifact = Artifact.open(args.file)
     root = artifact.root
     if args.json:

@@ -53,6 +53,9 @@ class RunSettings:
     print_token_ids: bool = False
 
 
+SETTINGS = RunSettings
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = RunSettings()
     parser.add_argument(

@@ -9,6 +9,8 @@ import sys
 from ninfer.cli.config import add_config_argument, settings_from
 from ninfer.serve.settings import ServeSettings
 
+SETTINGS = ServeSettings
+
 
 def _flag(parser, name: str, kind, help_text: str, metavar: str | None = None) -> None:
     parser.add_argument(name, type=kind, default=None, metavar=metavar, help=help_text)
