@@ -50,13 +50,15 @@ def make_cases(
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One timed engine step: what it ran and how long it took (host clock, device synced)."""
+    """One timed engine step: what it ran, how long it took (host clock, device synced) and,
+    for a decode step on CUDA, how long its device work took (CUDA events; None elsewhere)."""
 
     is_decode: bool
     context_lens: tuple[int, ...]
     query_lens: tuple[int, ...]
     sampled: tuple[bool, ...]
     seconds: float
+    device_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,8 @@ class Row:
     speed_of_light: float  # floor time over measured time (1.0 = at the ceiling)
     bound: str  # "copy" (decode), "matmul" (prefill) or "both"
     decode_step_ms: float | None  # mean decode step
+    decode_host_ms: float | None  # mean (step - device-busy time) of a decode step; None on CPU
+    decode_host_share: float | None  # decode_host_ms / decode_step_ms
     decode_bytes_per_step: float | None  # mean over decode steps
     prefill_flops_per_s: float | None
     repetitions: int
@@ -100,6 +104,16 @@ def counted_steps(case: BenchCase, steps: list[StepRecord]) -> list[StepRecord]:
     return steps
 
 
+def host_time(decode_steps: list[StepRecord]) -> tuple[float, float] | None:
+    """Mean host seconds of the decode steps (wall time minus device-busy time) and their share
+    of the mean step; None when a step has no device time (CPU, the transformers peer)."""
+    if not decode_steps or any(s.device_seconds is None for s in decode_steps):
+        return None
+    wall = sum(s.seconds for s in decode_steps)
+    host = sum(s.seconds - s.device_seconds for s in decode_steps)
+    return host / len(decode_steps), host / wall
+
+
 def case_tokens(case: BenchCase) -> int:
     if case.kind == "pp":
         return case.concurrency * case.prompt
@@ -116,7 +130,7 @@ def summarize(
     traffic: Traffic,
     ceilings: Ceilings,
 ) -> Row:
-    rates, ratios, decode_seconds, decode_bytes, prefill_flops, prefill_seconds = (
+    rates, ratios, decode_steps, decode_bytes, prefill_flops, prefill_seconds = (
         [],
         [],
         [],
@@ -131,12 +145,13 @@ def summarize(
         ratios.append(sum(step_floor(s, traffic, ceilings) for s in steps) / seconds)
         for s in steps:
             if s.is_decode:
-                decode_seconds.append(s.seconds)
+                decode_steps.append(s)
                 decode_bytes.append(traffic.decode_bytes(s.context_lens).total)
             else:
                 prefill_flops += traffic.prefill_flops(s.context_lens, s.query_lens, s.sampled)
                 prefill_seconds += s.seconds
     bound = {"pp": "matmul", "tg": "copy", "pg": "both"}[case.kind]
+    host = host_time(decode_steps)
     return Row(
         engine=engine,
         weights=weights,
@@ -146,7 +161,11 @@ def summarize(
         tokens_per_s_std=statistics.stdev(rates) if len(rates) > 1 else 0.0,
         speed_of_light=statistics.fmean(ratios),
         bound=bound,
-        decode_step_ms=1e3 * statistics.fmean(decode_seconds) if decode_seconds else None,
+        decode_step_ms=1e3 * statistics.fmean(s.seconds for s in decode_steps)
+        if decode_steps
+        else None,
+        decode_host_ms=1e3 * host[0] if host else None,
+        decode_host_share=host[1] if host else None,
         decode_bytes_per_step=statistics.fmean(decode_bytes) if decode_bytes else None,
         prefill_flops_per_s=prefill_flops / prefill_seconds if prefill_seconds else None,
         repetitions=len(repetitions),

@@ -193,10 +193,14 @@ def format_table(report: dict[str, Any]) -> str:
         f"linears execute as {report['executed_weights']}",
         "",
         f"{'engine':7} {'weights':8} {'test':14} {'C':>3} {'tok/s':>10} {'±':>8} "
-        f"{'SoL':>6} {'bound':6} {'step ms':>8} {'B/step':>8} {'TFLOP/s':>8}",
+        f"{'SoL':>6} {'bound':6} {'step ms':>8} {'host ms':>8} {'host%':>6} {'B/step':>8} "
+        f"{'TFLOP/s':>8}",
     ]
     for row in report["rows"]:
         step = f"{row['decode_step_ms']:.2f}" if row["decode_step_ms"] is not None else "-"
+        host, share = "-", "-"
+        if row["decode_host_ms"] is not None:
+            host, share = f"{row['decode_host_ms']:.3f}", f"{row['decode_host_share']:.1%}"
         gb = si(row["decode_bytes_per_step"]) if row["decode_bytes_per_step"] is not None else "-"
         tflops = (
             f"{row['prefill_flops_per_s'] / 1e12:.2f}"
@@ -206,6 +210,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{row['engine']:7} {row['weights']:8} {row['test']:14} {row['concurrency']:>3} "
             f"{row['tokens_per_s']:>10.1f} {row['tokens_per_s_std']:>8.1f} "
-            f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {gb:>8} {tflops:>8}"
+            f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {host:>8} {share:>6} "
+            f"{gb:>8} {tflops:>8}"
         )
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The engines a bench run times. `NinferTarget` drives an `EngineCore` step by step (scheduler,
-runner, sampler: everything a served request pays for) and times each step; `HFTarget` runs
-transformers on the same shape as the peer row. Both return the same `StepRecord`s."""
+runner, sampler: everything a served request pays for) and times each step, and on CUDA the
+device work of each decode step; `HFTarget` runs transformers on the same shape as the peer row.
+Both return the same `StepRecord`s."""
 
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ class NinferTarget:
                         query_lens=tuple(batch.query_lens),
                         sampled=tuple(batch.sampled),
                         seconds=seconds,
+                        device_seconds=self.recorder.device_seconds() if batch.is_decode else None,
                     )
                 )
         core.check_integrity()
@@ -155,11 +157,53 @@ class _BatchShape:
 
 class _RecordingRunner:
     """The engine's runner, noting the shape of the batch it ran last (sequences' cached
-    lengths are read before the step advances them)."""
+    lengths are read before the step advances them) and, on CUDA, bracketing each step's device
+    work with two events on the current stream: `start` just before the first device work
+    (the forward's entry; for a graph replay, again once the inputs are staged, so the host's
+    filling and copying of them counts as host time), `end` once the sampler has queued its
+    work. The step's own host sync on the sampled ids completes both, so reading them afterwards
+    waits for nothing; the hooks add only the events' record calls to the step."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.last: _BatchShape | None = None
+        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.started = self.ended = False  # whether the last step recorded each event
+        if runner.device.type == "cuda":
+            self.events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._hook(runner)
+
+    def _hook(self, runner) -> None:
+        start, end = self.events
+        forward, sample = runner.forward, runner.sampler.sample
+
+        def record_start() -> None:
+            start.record()
+            self.started = True
+
+        def timed_forward(inputs):
+            record_start()
+            return forward(inputs)
+
+        def timed_sample(logits, rows):
+            out = sample(logits, rows)
+            end.record()
+            self.ended = True
+            return out
+
+        runner.forward = timed_forward
+        runner.sampler.sample = timed_sample
+        if runner.graphs is not None:
+            stage = runner.graphs.stage
+
+            def timed_stage(inputs, size):
+                stage(inputs, size)
+                record_start()  # re-recorded: the replay is the first device work left
+
+            runner.graphs.stage = timed_stage
 
     def run(self, batch):
         self.last = _BatchShape(
@@ -168,7 +212,16 @@ class _RecordingRunner:
             batch.query_lens,
             batch.sampled,
         )
+        self.started = self.ended = False
         return self.runner.run(batch)
+
+    def device_seconds(self) -> float | None:
+        """Seconds from the last step's start event to its end event; None off CUDA or when
+        the step did not sample."""
+        if self.events is None or not (self.started and self.ended):
+            return None
+        start, end = self.events
+        return start.elapsed_time(end) / 1e3
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)  # everything else (close, ...) is the runner's

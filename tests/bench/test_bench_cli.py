@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from ninfer.bench.cases import BenchCase, Ceilings, StepRecord, make_cases, summarize
+from ninfer.bench.cases import (
+    BenchCase,
+    Ceilings,
+    StepRecord,
+    host_time,
+    make_cases,
+    summarize,
+)
 from ninfer.bench.shapes import SHAPES
 from ninfer.bench.traffic import Traffic, profile_formats
 from ninfer.cli.main import main
@@ -43,6 +50,9 @@ def test_tiny_shape_reports_every_case_with_its_ratio(capsys):
     by_test = {(row["test"], row["concurrency"]): row for row in report["rows"]}
     assert by_test[("pp8", 1)]["decode_step_ms"] is None
     assert by_test[("tg4", 1)]["prefill_flops_per_s"] is None
+    # the CPU has no device clock to split a step into host and device time
+    assert all(row["decode_host_ms"] is None for row in report["rows"])
+    assert all(row["decode_host_share"] is None for row in report["rows"])
     # two sequences read more state and KV per step than one
     assert (
         by_test[("tg4", 2)]["decode_bytes_per_step"] > by_test[("tg4", 1)]["decode_bytes_per_step"]
@@ -55,6 +65,12 @@ def test_table_output_on_a_moe_shape(capsys):
     out = capsys.readouterr().out
     assert "ceilings  copy" in out
     assert "tg3" in out and "copy" in out
+    header = next(line for line in out.splitlines() if line.startswith("engine"))
+    row = next(line for line in out.splitlines() if " tg3 " in line)
+    assert "host ms" in header and "host%" in header
+    # step ms, host ms, host share: the CPU row shows a step time and no host split
+    step, host, share = row.split()[8:11]
+    assert float(step) > 0 and (host, share) == ("-", "-")
 
 
 def test_a_ninfer_file_is_benched_with_its_stored_formats(capsys, tiny_artifact):
@@ -101,6 +117,33 @@ def test_rows_count_decode_steps_for_tg_and_prefill_steps_for_pp():
     assert pg.tokens_per_s == pytest.approx(2 * 5 / 3.0)
     flops = traffic.prefill_flops((0, 0), (1, 1), (True, True))
     assert pg.speed_of_light == pytest.approx((floor + flops / 1e9) / 3.0)
+
+
+def test_host_time_is_the_step_minus_its_device_time():
+    def decode(seconds, device_seconds):
+        return StepRecord(True, (1,), (1,), (True,), seconds, device_seconds)
+
+    steps = [decode(0.010, 0.009), decode(0.012, 0.010), decode(0.014, 0.014)]
+    host, share = host_time(steps)
+    assert host == pytest.approx((0.001 + 0.002 + 0.0) / 3)
+    assert share == pytest.approx(0.003 / 0.036)
+    assert host_time([decode(0.010, 0.009), decode(0.010, None)]) is None
+    assert host_time([]) is None
+
+
+def test_rows_report_host_time_of_decode_steps_only():
+    traffic = Traffic(SHAPES["tiny"], profile_formats(SHAPES["tiny"], "bf16"))
+    ceilings = Ceilings(copy_bytes_per_s=1e9, matmul_flops_per_s=1e9, matmul_dtype="float32")
+    prefill = StepRecord(False, (0,), (6,), (True,), 0.030)
+    decodes = [StepRecord(True, (6 + i,), (1,), (True,), 0.020, 0.018) for i in range(3)]
+    pg = summarize(
+        "ninfer", "bf16", BenchCase("pg", 6, 3, 1), [[prefill, *decodes]] * 2, traffic, ceilings
+    )
+    assert pg.decode_step_ms == pytest.approx(20.0)
+    assert pg.decode_host_ms == pytest.approx(2.0)
+    assert pg.decode_host_share == pytest.approx(0.1)
+    pp = summarize("ninfer", "bf16", BenchCase("pp", 6, 0, 1), [[prefill]], traffic, ceilings)
+    assert pp.decode_host_ms is None and pp.decode_host_share is None
 
 
 def test_make_cases_crosses_tests_with_concurrency():
