@@ -35,6 +35,15 @@ class BenchCase:
     def decode_steps(self) -> int:
         return 0 if self.kind == "pp" else self.gen
 
+    def counts_step(self, is_decode: bool) -> bool:
+        """Whether a step is part of the test: `tg` counts its decode steps only (its 1-token
+        prompt is not the test), `pp` its prefill, `pg` both."""
+        if self.kind == "tg":
+            return is_decode
+        if self.kind == "pp":
+            return not is_decode
+        return True
+
 
 def make_cases(
     prompts: list[int],
@@ -96,12 +105,7 @@ def step_floor(record: StepRecord, traffic: Traffic, ceilings: Ceilings) -> floa
 
 
 def counted_steps(case: BenchCase, steps: list[StepRecord]) -> list[StepRecord]:
-    """`tg` times its decode steps only (its 1-token prompt is not the test); `pp` its prefill."""
-    if case.kind == "tg":
-        return [s for s in steps if s.is_decode]
-    if case.kind == "pp":
-        return [s for s in steps if not s.is_decode]
-    return steps
+    return [s for s in steps if case.counts_step(s.is_decode)]
 
 
 def host_time(decode_steps: list[StepRecord]) -> tuple[float, float] | None:

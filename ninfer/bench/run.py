@@ -1,6 +1,7 @@
 """A whole bench run: build the model (from a `.ninfer` file or random weights in a named
 shape), measure the two ceilings, time every case on ninfer (and the transformers peer when
-asked) and return the report that `ninfer bench` prints as a table or JSON."""
+asked), profile ninfer's kernels per case when asked, and return the report that `ninfer bench`
+prints as a table or JSON."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from ninfer.bench.cases import BenchCase, Ceilings, Row, summarize
 from ninfer.bench.ceilings import copy_bandwidth, matmul_rate
+from ninfer.bench.profile import format_profile, profile_case
 from ninfer.bench.shapes import SHAPES
 from ninfer.bench.traffic import Traffic, artifact_formats, profile_formats
 from ninfer.errors import ConfigError
@@ -33,6 +35,7 @@ class BenchOptions:
     peers: list[str] = field(default_factory=list)
     seed: int = 0
     cuda_graph: bool = True
+    profile: bool = False  # per-kernel device time of each case on ninfer (profile.py)
 
 
 def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
@@ -124,15 +127,18 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         copy_bandwidth(device), matmul_rate(device, dtype), str(dtype).removeprefix("torch.")
     )
     executed = executed_formats(model)
-    rows = _time_cases(
-        NinferTarget(model, options.cases, options.prefill_chunk, options.cuda_graph),
-        options.cases,
-        options,
-        traffic,
-        ceilings,
-        weights,
-    )
-    del model
+    target = NinferTarget(model, options.cases, options.prefill_chunk, options.cuda_graph)
+    rows = _time_cases(target, options.cases, options, traffic, ceilings, weights)
+    profiles = []
+    if options.profile:
+        # Only once every case is timed: the profiler can leave CUPTI attached to the process,
+        # and no timed step should pay for it. A seed of its own keeps each profiled run's
+        # prompts out of the prefix cache.
+        profiles = [
+            profile_case(target, case, seed=options.seed + 1000 * index + options.repetitions)
+            for index, case in enumerate(options.cases)
+        ]
+    del model, target
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -168,7 +174,10 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             "prefill_chunk": options.prefill_chunk,
             "seed": options.seed,
         },
-        "rows": [asdict(row) for row in rows],
+        "rows": [  # ninfer's rows come first, one per case, in the order of the profiles
+            asdict(row) | (profiles[index].to_json() if index < len(profiles) else {})
+            for index, row in enumerate(rows)
+        ],
     }
 
 
@@ -181,7 +190,8 @@ def si(value: float) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The report as a short text table: header lines, then one line per row."""
+    """The report as a short text table: header lines, then one line per row (with its
+    kernel profile under it when the run profiled)."""
     ceilings = report["ceilings"]
     lines = [
         f"model   {report['model']}  device {report['device']}  dtype {report['dtype']}"
@@ -213,4 +223,6 @@ def format_table(report: dict[str, Any]) -> str:
             f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {host:>8} {share:>6} "
             f"{gb:>8} {tflops:>8}"
         )
+        if "profile" in row:
+            lines += format_profile(row)
     return "\n".join(lines)

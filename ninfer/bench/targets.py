@@ -6,10 +6,13 @@ Both return the same `StepRecord`s."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from ninfer.bench.cases import BenchCase, StepRecord
 from ninfer.engine.config import EngineConfig
@@ -88,6 +91,10 @@ def executed_formats(model: torch.nn.Module) -> str:
     return "+".join([dense, *encoded])
 
 
+# The profiler range each step of a profiled run is recorded in, by whether it is a decode step.
+STEP_LABELS = {False: "ninfer.bench.prefill_step", True: "ninfer.bench.decode_step"}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -146,6 +153,19 @@ class NinferTarget:
         core.check_integrity()
         return records
 
+    @contextmanager
+    def profiling(self) -> Iterator[None]:
+        """Within: decode steps run eagerly, without the captured graphs (a replay is one opaque
+        launch to a profiler), and each step is a profiler range named by `STEP_LABELS`."""
+        runner = self.recorder.runner
+        graphs, runner.graphs = runner.graphs, None
+        self.recorder.label_steps = True
+        try:
+            yield
+        finally:
+            runner.graphs = graphs
+            self.recorder.label_steps = False
+
 
 @dataclass(slots=True)
 class _BatchShape:
@@ -162,11 +182,13 @@ class _RecordingRunner:
     (the forward's entry; for a graph replay, again once the inputs are staged, so the host's
     filling and copying of them counts as host time), `end` once the sampler has queued its
     work. The step's own host sync on the sampled ids completes both, so reading them afterwards
-    waits for nothing; the hooks add only the events' record calls to the step."""
+    waits for nothing; the hooks add only the events' record calls to the step. With
+    `label_steps` (profiled runs only) each step is also a named profiler range."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.last: _BatchShape | None = None
+        self.label_steps = False
         self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.started = self.ended = False  # whether the last step recorded each event
         if runner.device.type == "cuda":
@@ -213,6 +235,9 @@ class _RecordingRunner:
             batch.sampled,
         )
         self.started = self.ended = False
+        if self.label_steps:
+            with record_function(STEP_LABELS[batch.is_decode]):
+                return self.runner.run(batch)
         return self.runner.run(batch)
 
     def device_seconds(self) -> float | None:

@@ -65,6 +65,7 @@ class BenchSettings:
     peer: list[str] = field(default_factory=list)
     seed: int = 0
     no_cuda_graph: bool = False
+    profile: bool = False
     output: str = "table"
     output_file: str | None = None
 
@@ -171,6 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly (debugging)",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        default=None,
+        help="after timing, run each test once more under torch.profiler (CUDA graphs off) "
+        "and report its top kernels by device time",
+    )
+    parser.add_argument(
         "-o",
         dest="output",
         choices=OUTPUTS,
@@ -205,6 +213,7 @@ def run(inputs: argparse.Namespace) -> int:
             peers=args.peer,
             seed=args.seed,
             cuda_graph=not args.no_cuda_graph,
+            profile=args.profile,
         )
     )
     text = json.dumps(report, indent=1) if args.output == "json" else format_table(report)
