@@ -1,5 +1,6 @@
-"""Achieved bandwidth of the Triton decode kernels against a device-to-device copy measured in
-the same run, at the Qwen3.5-27B shapes (random inputs; GPU only).
+"""Achieved bandwidth of the Triton decode kernels (and of prefill's weight dequantization)
+against a device-to-device copy measured in the same run, at the Qwen3.5-27B shapes (random
+inputs; GPU only).
 
     python bench/decode_kernels.py [--json PATH]
 
@@ -22,6 +23,7 @@ from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import (
     causal_conv1d_triton,
     gdn_recurrent_triton,
+    groupwise_dequant_triton,
     groupwise_gemv_triton,
     paged_attention_triton,
     rms_norm_triton,
@@ -141,6 +143,18 @@ def bench_gemv(format_name: str, m: int, n: int, k: int):
     return label, median_ms(rotating(calls)), moved, bf16_ms
 
 
+def bench_dequant(format_name: str, n: int, k: int):
+    """Prefill's dequantization of one weight to bf16: codes and scales read, the dense weight
+    written."""
+    fmt = get_format(format_name)
+    weight_bytes = fmt.encoded_nbytes((n, k))
+    sets = max(2, math.ceil(240e6 / weight_bytes))
+    weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
+    calls = [lambda w=w: groupwise_dequant_triton.groupwise_dequant(w, BF16) for w in weights]
+    moved = weight_bytes + n * k * 2
+    return f"{format_name} dequant {n}x{k} to bf16", median_ms(rotating(calls)), moved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="also write the rows here")
@@ -164,6 +178,7 @@ def main() -> None:
         for m in (1, 8)
         for n, k in ((INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
     ]
+    rows += [bench_dequant(name, INTERMEDIATE, HIDDEN) for name in FORMATS]
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)")
     print(f"{'kernel':44} {'us':>9} {'MB':>9} {'GB/s':>7} {'of copy':>8}")
     table = []

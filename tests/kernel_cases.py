@@ -10,13 +10,14 @@ from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
+from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
 from ninfer.kernels import rotary as rotary_reference
 from ninfer.kernels import swiglu as swiglu_reference
-from ninfer.quant import get_format
+from ninfer.quant import EncodedTensor, get_format
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -153,6 +154,30 @@ def check_groupwise_linear(
     assert out.dtype == x.dtype and out.shape == (m, n)
     assert relative_error(out, exact) < tol
     assert relative_error(gemv_reference.groupwise_linear(x, encoded), exact) < tol
+
+
+def check_groupwise_dequant(
+    module, format_name: str, n: int, k: int, dtype: torch.dtype, device
+) -> None:
+    """Planes of random bits, so every code occurs and the fp16 scales take both signs and
+    every finite magnitude from the subnormals up (fp16 outputs overflow to inf, as in the
+    reference): the dense weight must equal the reference bit for bit."""
+    fmt = get_format(format_name)
+    planes = {}
+    for spec in fmt.plane_specs((n, k)):
+        if spec.name == "scales":
+            magnitude = torch.randint(0, 0x7C00, spec.shape, dtype=torch.int16)
+            sign = torch.randint(0, 2, spec.shape).to(torch.float16) * 2 - 1
+            planes[spec.name] = magnitude.view(torch.float16) * sign
+        else:
+            planes[spec.name] = torch.randint(0, 256, spec.shape, dtype=torch.uint8).view(
+                spec.dtype
+            )
+    planes = {name: plane.to(device) for name, plane in planes.items()}
+    encoded = EncodedTensor(fmt.name, fmt.layout, (n, k), planes)
+    out = module.groupwise_dequant(encoded, dtype)
+    assert out.dtype == dtype and out.shape == (n, k)
+    assert torch.equal(out, dequant_reference.groupwise_dequant(encoded, dtype))
 
 
 def scattered_pages(page_counts: list[int], spare: int = 3) -> tuple[int, torch.Tensor]:

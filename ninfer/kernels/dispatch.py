@@ -10,6 +10,7 @@ import torch
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
+from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import paged_attention as attention_reference
@@ -169,6 +170,16 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         if weight.format in groupwise_gemv_triton.SUPPORTED:
             return groupwise_gemv_triton.groupwise_linear(x, weight)
     return gemv_reference.groupwise_linear(x, weight)
+
+
+def groupwise_dequant(weight: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] form of an encoded weight in `dtype`, bit-identical on both paths."""
+    if use_triton(*weight.planes.values()):
+        from ninfer.kernels import groupwise_dequant_triton as module
+
+        if weight.format in module.SUPPORTED and dtype in module.DTYPES:
+            return module.groupwise_dequant(weight, dtype)
+    return dequant_reference.groupwise_dequant(weight, dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from kernel_cases import (
     check_causal_conv1d,
     check_gdn_recurrent,
+    check_groupwise_dequant,
     check_groupwise_linear,
     check_paged_attention,
     check_rms_norm,
@@ -89,6 +90,21 @@ def test_groupwise_linear(format_name, m, n, k):
     from ninfer.kernels import groupwise_gemv_triton
 
     check_groupwise_linear(groupwise_gemv_triton, format_name, m, n, k, BF16, "cuda", 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(17408, 5120), (5120, 17408), (4001, 1000)])
+@pytest.mark.parametrize("format_name", ["q8_g32_fp16", "q4_g64_fp16"])
+def test_groupwise_dequant(format_name, n, k, dtype):
+    from ninfer.kernels import groupwise_dequant_triton
+
+    check_groupwise_dequant(groupwise_dequant_triton, format_name, n, k, dtype, "cuda")
+
+
+def test_groupwise_dequant_covers_the_gemv_formats():
+    from ninfer.kernels import groupwise_dequant_triton, groupwise_gemv_triton
+
+    assert set(groupwise_dequant_triton.SUPPORTED) == set(groupwise_gemv_triton.SUPPORTED)
 
 
 def test_dispatch_sends_cuda_tensors_to_triton(monkeypatch):

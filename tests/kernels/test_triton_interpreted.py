@@ -3,7 +3,7 @@ references. TRITON_INTERPRET=1 must be set before Triton is first imported (its 
 functions are kernels too), so this module sets it on a machine without CUDA and skips where
 Triton was imported earlier or a GPU is present (tests/gpu covers that). The interpreter's tl.dot is wrong for bf16 operands (seen with triton 3.9),
 so the kernels built on tl.dot are run here in fp16, and it rounds to bf16 by truncation, so the
-norm, whose residual sum must match exactly, too; the GPU tests cover bf16."""
+norm, whose residual sum must match exactly, and the dequantization too; the GPU tests cover bf16."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from kernel_cases import (
     check_causal_conv1d,
     check_gdn_recurrent,
+    check_groupwise_dequant,
     check_groupwise_linear,
     check_kv_write,
     check_paged_attention,
@@ -101,6 +102,16 @@ def test_rms_norm_with_and_without_residual(interpreted, strided):
 def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, k, m):
     module = interpreted("groupwise_gemv_triton")
     check_groupwise_linear(module, format_name, m, 40, k, torch.float16, "cpu", 2e-3)
+
+
+@pytest.mark.parametrize(("format_name", "k"), [("q4_g64_fp16", 2100), ("q8_g32_fp16", 1100)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 to inf
+def test_groupwise_dequant_equals_the_reference_bit_for_bit(interpreted, format_name, k, dtype):
+    """K padded up to the group and spanning several programs, rows spanning two."""
+    check_groupwise_dequant(
+        interpreted("groupwise_dequant_triton"), format_name, 37, k, dtype, "cpu"
+    )
 
 
 @pytest.mark.parametrize(

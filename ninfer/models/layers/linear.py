@@ -1,7 +1,8 @@
 """`GroupwiseLinear`: a bias-free linear layer whose weight stays in its stored group-wise int
 form (`q8_g32_fp16`, `q4_g64_fp16`) on the GPU. Decode-sized batches run the grouped-int GEMV,
 which reads the codes once and dequantizes in registers; larger batches (prefill) dequantize
-the weight to the activation dtype and run a dense matmul, which is compute-bound anyway.
+the weight to the activation dtype (the Triton dequantization kernel, at about the copy rate)
+into one transient buffer and run a dense matmul, which is compute-bound anyway.
 
 `quantize_linears` swaps the `nn.Linear`s of a model built on the meta device for these where
 the weight source stores a supported format. It is used on CUDA in half precision only: the
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels.dispatch import groupwise_linear
+from ninfer.kernels.dispatch import groupwise_dequant, groupwise_linear
 from ninfer.quant import EncodedTensor
 
 # Rows up to this many go through the GEMV; beyond it a dequantized bf16 matmul is faster.
@@ -49,7 +50,7 @@ class GroupwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS:
             return groupwise_linear(x.contiguous(), self.encoded)
-        return F.linear(x, self.encoded.decode(x.dtype))
+        return F.linear(x, groupwise_dequant(self.encoded, x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
