@@ -32,6 +32,7 @@ class BenchOptions:
     repetitions: int = 3
     warmup: int = 1
     prefill_chunk: int = 1024
+    idle_prefill_chunk: int = 4096
     peers: list[str] = field(default_factory=list)
     seed: int = 0
     cuda_graph: bool = True
@@ -127,7 +128,13 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         copy_bandwidth(device), matmul_rate(device, dtype), str(dtype).removeprefix("torch.")
     )
     executed = executed_formats(model)
-    target = NinferTarget(model, options.cases, options.prefill_chunk, options.cuda_graph)
+    target = NinferTarget(
+        model,
+        options.cases,
+        options.prefill_chunk,
+        options.cuda_graph,
+        idle_prefill_chunk=options.idle_prefill_chunk,
+    )
     rows = _time_cases(target, options.cases, options, traffic, ceilings, weights)
     profiles = []
     if options.profile:
@@ -172,6 +179,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             "repetitions": options.repetitions,
             "warmup": options.warmup,
             "prefill_chunk": options.prefill_chunk,
+            "idle_prefill_chunk": options.idle_prefill_chunk,
             "seed": options.seed,
         },
         "rows": [  # ninfer's rows come first, one per case, in the order of the profiles

@@ -106,7 +106,12 @@ class NinferTarget:
     name = "ninfer"
 
     def __init__(
-        self, model, cases: list[BenchCase], prefill_chunk: int, cuda_graph: bool = True
+        self,
+        model,
+        cases: list[BenchCase],
+        prefill_chunk: int,
+        cuda_graph: bool = True,
+        idle_prefill_chunk: int | None = None,
     ) -> None:
         from ninfer.engine.engine import build_core
 
@@ -118,6 +123,7 @@ class NinferTarget:
             max_pending_requests=0,
             kv_capacity=-(-longest // PAGE_SIZE) * PAGE_SIZE * lanes,  # whole pages per lane
             prefill_chunk=prefill_chunk,
+            idle_prefill_chunk=idle_prefill_chunk,
             cuda_graph=cuda_graph,
         )
         self.core = build_core(model, config)  # no eos ids: every request runs its full length

@@ -60,6 +60,7 @@ class BenchSettings:
     warmup: int = 1
     concurrency: list[int] = field(default_factory=lambda: [1])
     prefill_chunk: int = 1024
+    idle_prefill_chunk: int = 4096
     device: str | None = None
     dtype: str | None = None
     peer: list[str] = field(default_factory=list)
@@ -152,6 +153,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="prompt tokens per step (default 1024)",
     )
+    parser.add_argument(
+        "--idle-prefill-chunk",
+        metavar="N",
+        type=int,
+        help="prompt tokens per step while nothing decodes (default 4096)",
+    )
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument(
         "--dtype",
@@ -210,6 +217,7 @@ def run(inputs: argparse.Namespace) -> int:
             repetitions=args.repetitions,
             warmup=args.warmup,
             prefill_chunk=args.prefill_chunk,
+            idle_prefill_chunk=args.idle_prefill_chunk,
             peers=args.peer,
             seed=args.seed,
             cuda_graph=not args.no_cuda_graph,

@@ -30,6 +30,7 @@ class RunSettings:
     max_context: int = 2048
     kv_capacity: str | None = None  # tokens or "auto"; default: max_context
     prefill_chunk: int = 1024
+    idle_prefill_chunk: int = 4096
     max_tokens: int = 128
     device: str | None = None
     dtype: str | None = None
@@ -91,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help=f"prompt tokens per step (default {d.prefill_chunk})",
+    )
+    context.add_argument(
+        "--idle-prefill-chunk",
+        type=int,
+        metavar="N",
+        help=f"prompt tokens per step while nothing decodes (default {d.idle_prefill_chunk})",
     )
     context.add_argument(
         "--max-tokens",
@@ -201,6 +208,7 @@ def _engine_config(args: RunSettings):
         max_pending_requests=0,
         kv_capacity=kv,
         prefill_chunk=args.prefill_chunk,
+        idle_prefill_chunk=args.idle_prefill_chunk,
         dtype=args.dtype,
         device=args.device,
         tensor_parallel=args.tensor_parallel,

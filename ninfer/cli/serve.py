@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(model, "--prefill-chunk", int, f"prompt tokens per step (default {d.prefill_chunk})", "N")
     _flag(
         model,
+        "--idle-prefill-chunk",
+        int,
+        f"prompt tokens per step while nothing decodes (default {d.idle_prefill_chunk})",
+        "N",
+    )
+    _flag(
+        model,
         "--max-concurrency",
         int,
         f"requests generating at once (default {d.max_concurrency})",

@@ -19,7 +19,11 @@ class EngineConfig:
     is refused with `QueueFull`. `pending_timeout`: seconds a request may wait before it fails
     with `QueueTimeout` (None waits forever). `kv_capacity`: tokens of attention K/V shared by all
     requests, or "auto" for the largest pool that fits next to the weights (on CPU, enough for
-    every lane at `max_context`). `prefill_chunk`: prompt tokens processed per step.
+    every lane at `max_context`). `prefill_chunk`: prompt tokens processed per step while some
+    request is decoding (prefill chunks and decode rounds alternate, so this bounds the pause a
+    prefill puts into running streams). `idle_prefill_chunk`: prompt tokens per step when no
+    request is decoding, so a lone long prompt runs in fewer, larger steps (None, or anything
+    below `prefill_chunk`, means `prefill_chunk`).
     `default_max_tokens`: output limit of a request that sets none (None: up to `max_context`).
     `kv_headroom_bytes`: GPU memory an `auto` K/V pool leaves free.
     `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU. `tensor_parallel`: ranks
@@ -35,6 +39,7 @@ class EngineConfig:
     pending_timeout: float | None = None
     kv_capacity: int | Literal["auto"] = "auto"
     prefill_chunk: int = 1024
+    idle_prefill_chunk: int | None = 4096
     default_max_tokens: int | None = None
     dtype: str | None = None
     device: str | None = None
@@ -56,6 +61,8 @@ class EngineConfig:
             raise ConfigError(f"pending_timeout = {self.pending_timeout} must be > 0")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk = {self.prefill_chunk} must be >= 1")
+        if self.idle_prefill_chunk is not None and self.idle_prefill_chunk < 1:
+            raise ConfigError(f"idle_prefill_chunk = {self.idle_prefill_chunk} must be >= 1")
         if self.kv_capacity != "auto":
             if not isinstance(self.kv_capacity, int) or self.kv_capacity < 1:
                 raise ConfigError(f"kv_capacity = {self.kv_capacity!r} must be tokens or 'auto'")

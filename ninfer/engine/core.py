@@ -52,7 +52,10 @@ class EngineCore:
         self.sampler = Sampler(vocab_size, cache.num_slots, cache_device(cache))
         self.runner = ModelRunner(model, cache, self.sampler)
         self.scheduler = Scheduler(
-            cache, max_concurrency=config.max_concurrency, prefill_chunk=config.prefill_chunk
+            cache,
+            max_concurrency=config.max_concurrency,
+            prefill_chunk=config.prefill_chunk,
+            idle_prefill_chunk=config.idle_prefill_chunk,
         )
         self.sequences: dict[str, Sequence] = {}
 

@@ -7,8 +7,9 @@ only if that cannot delay the head: either the head still fits, once the running
 waits for are done, next to the newcomer, or the newcomer is sure to be done by then
 (judged by worst-case step counts).
 
-Each step is one of two units: a prefill chunk (up to `prefill_chunk` prompt tokens, packed
-from the prefilling requests in admission order) or a decode round (one token for every
+Each step is one of two units: a prefill chunk (up to `prefill_chunk` prompt tokens, or
+`idle_prefill_chunk` while no request is decoding, packed from the prefilling requests in
+admission order) or a decode round (one token for every
 decode-ready request). They alternate while both kinds of work exist, so a long prompt cannot
 stall running decodes and decodes cannot starve a prompt.
 """
@@ -39,12 +40,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cache: ModelCache, *, max_concurrency: int, prefill_chunk: int) -> None:
+    def __init__(
+        self,
+        cache: ModelCache,
+        *,
+        max_concurrency: int,
+        prefill_chunk: int,
+        idle_prefill_chunk: int | None = None,
+    ) -> None:
         if cache.num_slots < max_concurrency:
             raise ValueError(f"{cache.num_slots} state slots for {max_concurrency} lanes")
         self.cache = cache
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
+        # when nothing decodes, no stream waits on the chunk: take larger ones
+        self.idle_prefill_chunk = max(prefill_chunk, idle_prefill_chunk or 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_decode = False
@@ -149,15 +159,15 @@ class Scheduler:
         decoding = [s for s in self.running if not s.in_prefill]
         if prefilling and (not decoding or self._last_was_decode):
             self._last_was_decode = False
-            return self._prefill_chunk(prefilling)
+            budget = self.prefill_chunk if decoding else self.idle_prefill_chunk
+            return self._prefill_chunk(prefilling, budget)
         if decoding:
             self._last_was_decode = True
             return ScheduledBatch(True, decoding, [1] * len(decoding), [True] * len(decoding))
         return None
 
-    def _prefill_chunk(self, prefilling: list[Sequence]) -> ScheduledBatch:
+    def _prefill_chunk(self, prefilling: list[Sequence], budget: int) -> ScheduledBatch:
         batch = ScheduledBatch(False, [], [], [])
-        budget = self.prefill_chunk
         for seq in prefilling:
             if budget == 0:
                 break

@@ -94,6 +94,27 @@ def test_chunked_prefill_gives_the_same_tokens_as_whole_prefill(make_core, chunk
     assert generate(make_core(prefill_chunk=chunk), prompts, GREEDY) == whole
 
 
+def test_idle_prefill_chunk_applies_only_while_nothing_decodes(make_core):
+    """A lone prompt takes `idle_prefill_chunk` tokens per step; once a request decodes,
+    chunks shrink to `prefill_chunk` so the decode rounds between them stay short."""
+    core = make_core(prefill_chunk=16, idle_prefill_chunk=64)
+    recorder = Recorder()
+    first = submit(core, recorder, GenerationRequest(prompt(100, 20), GREEDY, request_id="a"))
+    core.step()
+    assert first.num_cached == 64
+    core.step()
+    assert first.num_cached == 100  # the rest, still alone
+    second = submit(core, recorder, GenerationRequest(prompt(100, 21), GREEDY, request_id="b"))
+    cached = [0]
+    while second.num_cached < second.prompt_len:
+        core.step()
+        cached.append(second.num_cached)
+    steps = {after - before for before, after in zip(cached, cached[1:])}
+    assert steps == {0, 16, 100 - 6 * 16}  # "a" decodes: ordinary chunks between its rounds
+    run_to_end(core)
+    assert len(recorder.completions["b"].token_ids) == 12
+
+
 def test_abort_mid_prefill_frees_pages_and_slot(make_core):
     core = make_core(prefill_chunk=16)
     recorder = Recorder()
