@@ -104,6 +104,16 @@ def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, 
     check_groupwise_linear(module, format_name, m, 40, k, torch.float16, "cpu", 2e-3)
 
 
+@pytest.mark.parametrize(
+    ("format_name", "n", "k"),
+    [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 12, 4100)],
+)
+def test_groupwise_linear_one_row_matches_dequantized_product(interpreted, format_name, n, k):
+    """One x row takes the FMA-unit kernel; at K = 4100 and few rows it also splits K in two."""
+    module = interpreted("groupwise_gemv_triton")
+    check_groupwise_linear(module, format_name, 1, n, k, torch.float16, "cpu", 2e-3)
+
+
 @pytest.mark.parametrize(("format_name", "k"), [("q4_g64_fp16", 2100), ("q8_g32_fp16", 1100)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 to inf
