@@ -1,9 +1,16 @@
 """Depthwise causal conv + SiLU in Triton over a flat varlen batch, continuing from (and then
 updating) each sequence's window of the last K - 1 inputs in its state slot.
 
-One program per (sequence, block of channels) walks that sequence's tokens in tiles; an input
-before the sequence's first new token is read from the window. The program that reads a window
-is the one that rewrites it, after its last read of that entry, so the update is race-free.
+One program per (span of up to SPAN tokens of one sequence, block of channels) walks its span in
+tiles, so a long prefill spreads over the GPU. The spans are numbered in batch order and each
+program finds its sequence and span from query_start, so the grid, sized on the host without a
+device sync (S sequences of T tokens, each at least one, have at most S + (T - S) // SPAN spans),
+holds no idle programs; a grid of as many spans per sequence as the longest could have would be
+mostly empty when many short prompts share a chunk. Only a sequence's first K - 1 tokens read
+inputs from the window, and they lie in its first span (SPAN >= K - 1), so the program of that
+span is the only reader of the window and rewrites it after a barrier behind its reads, taking
+the new entries from x (or from the old window, for a sequence shorter than K - 1 tokens): the
+update is race-free. Decode (one token per sequence) maps program to sequence directly.
 The conv accumulates in fp32 and the output is rounded once.
 Reference: `causal_conv1d.causal_conv1d` (same signature).
 """
@@ -15,6 +22,30 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.triton_support import next_power_of_2
+
+SPAN = 64  # tokens per prefill program (a power of two): 16 per channel block for 1024 tokens
+SEARCH_BLOCK = 128  # sequences a program scans at once while finding its span
+
+
+@triton.jit
+def _find_span(pair, query_start_ptr, num_seqs, SPAN: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """(sequence, span within it) of the pair-th span of the batch, spans numbered in batch
+    order; past the last span, the last sequence and a span beyond its end."""
+    seq = -1
+    first_span = 0
+    spans_before = 0
+    for base in range(0, num_seqs, SEARCH_BLOCK):
+        seqs = base + tl.arange(0, SEARCH_BLOCK)
+        valid = seqs < num_seqs
+        begins = tl.load(query_start_ptr + seqs, mask=valid, other=0)
+        ends = tl.load(query_start_ptr + seqs + 1, mask=valid, other=0)
+        spans = ((ends - begins + SPAN - 1) // SPAN).to(tl.int32)  # loop-carried sums stay int32
+        firsts = spans_before + tl.cumsum(spans, 0) - spans
+        started = valid & (firsts <= pair)
+        seq += tl.sum(started.to(tl.int32), 0)
+        first_span = tl.maximum(first_span, tl.max(tl.where(started, firsts, 0), 0))
+        spans_before += tl.sum(spans, 0)
+    return seq, pair - first_span
 
 
 @triton.jit
@@ -31,21 +62,31 @@ def _causal_conv1d_kernel(
     stride_window_slot,
     stride_window_c,
     channels,
+    num_seqs,
     WIDTH: tl.constexpr,
+    SPAN: tl.constexpr,
+    ONE_TOKEN_EACH: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    if ONE_TOKEN_EACH:
+        seq = tl.program_id(0)
+        span = 0
+    else:
+        seq, span = _find_span(tl.program_id(0), query_start_ptr, num_seqs, SPAN, SEARCH_BLOCK)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_mask = chans < channels
     slot = tl.load(state_slots_ptr + seq).to(tl.int64)
     begin = tl.load(query_start_ptr + seq)
     end = tl.load(query_start_ptr + seq + 1)
     window = windows_ptr + slot * stride_window_slot + chans * stride_window_c
+    span_begin = begin + span * SPAN
+    span_end = tl.minimum(end, span_begin + SPAN)
 
-    for tile in range(begin, end, BLOCK_T):
+    for tile in range(span_begin, span_end, BLOCK_T):
         times = tile + tl.arange(0, BLOCK_T)
-        time_mask = times < end
+        time_mask = times < span_end
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(WIDTH):
             tap = tl.load(weight_ptr + chans * stride_weight_c + j, mask=chan_mask, other=0.0)
@@ -72,17 +113,23 @@ def _causal_conv1d_kernel(
             mask=time_mask[:, None] & chan_mask[None, :],
         )
 
-    # Entry i of the new window is input end - (K - 1) + i; when that input is itself in the old
-    # window it sits at entry n + i > i (n new tokens), which is read before it is overwritten.
-    for i in tl.static_range(WIDTH - 1):
-        source = end - (WIDTH - 1) + i + tl.zeros([BLOCK_C], tl.int32)
-        in_batch = source >= begin
-        from_x = tl.load(x_ptr + source * stride_xt + chans, mask=chan_mask & in_batch, other=0.0)
-        from_window = tl.load(
-            window + (WIDTH - 1 + source - begin), mask=chan_mask & ~in_batch, other=0.0
-        )
-        value = from_x.to(tl.float32) + from_window.to(tl.float32)
-        tl.store(window + i, value.to(windows_ptr.dtype.element_ty), mask=chan_mask)
+    if span == 0:
+        # The tiles above may read a window entry from another thread than the one that
+        # rewrites it below.
+        tl.debug_barrier()
+        # Entry i of the new window is input end - (K - 1) + i; when that input is itself in the
+        # old window it sits at entry n + i > i (n new tokens), read before it is overwritten.
+        for i in tl.static_range(WIDTH - 1):
+            source = end - (WIDTH - 1) + i + tl.zeros([BLOCK_C], tl.int32)
+            in_batch = source >= begin
+            from_x = tl.load(
+                x_ptr + source * stride_xt + chans, mask=chan_mask & in_batch, other=0.0
+            )
+            from_window = tl.load(
+                window + (WIDTH - 1 + source - begin), mask=chan_mask & ~in_batch, other=0.0
+            )
+            value = from_x.to(tl.float32) + from_window.to(tl.float32)
+            tl.store(window + i, value.to(windows_ptr.dtype.element_ty), mask=chan_mask)
 
 
 def causal_conv1d(
@@ -92,19 +139,19 @@ def causal_conv1d(
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
 ) -> torch.Tensor:
-    """x: [T, C]; weight: [C, K]; conv_windows: [num_slots, C, K - 1], read and updated in place.
-    Returns silu(conv(x)) as [T, C] in x's dtype."""
+    """x: [T, C]; weight: [C, K]; conv_windows: [num_slots, C, K - 1], read and updated in place;
+    every sequence has at least one token. Returns silu(conv(x)) as [T, C] in x's dtype."""
     channels, width = weight.shape
     if x.stride(1) != 1 or weight.stride(1) != 1 or conv_windows.stride(2) != 1:
         raise ValueError("causal conv needs unit stride along channels, taps and window")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_seqs = state_slots.shape[0]
+    num_tokens, num_seqs = x.shape[0], state_slots.shape[0]
     if num_seqs == 0:
         return out
-    tokens_per_seq = max(1, x.shape[0] // num_seqs)
-    block_t = min(16, next_power_of_2(tokens_per_seq))
+    span = max(SPAN, next_power_of_2(width - 1))
+    block_t = min(16, next_power_of_2(num_tokens // num_seqs), span)
     block_c = 256 if block_t == 1 else 128
-    grid = (num_seqs, triton.cdiv(channels, block_c))
+    grid = (num_seqs + (num_tokens - num_seqs) // span, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
         x,
         weight,
@@ -118,7 +165,11 @@ def causal_conv1d(
         conv_windows.stride(0),
         conv_windows.stride(1),
         channels,
+        num_seqs,
         WIDTH=width,
+        SPAN=span,
+        ONE_TOKEN_EACH=num_tokens == num_seqs,
+        SEARCH_BLOCK=SEARCH_BLOCK,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=4,

@@ -75,6 +75,15 @@ def test_causal_conv1d(query_lens, channels):
     check_causal_conv1d(causal_conv1d_triton, query_lens, channels, 4, BF16, "cuda", 1e-2)
 
 
+@pytest.mark.parametrize("query_lens", [[1024], [1000] + [3] * 150, [130] * 31 + [2, 1]])
+def test_causal_conv1d_prefill_over_spans(query_lens):
+    """One long prompt over many spans; a long prompt beside 150 short ones (each program's span
+    search walks two blocks of sequences); many equal prompts with a few shorter than K - 1."""
+    from ninfer.kernels import causal_conv1d_triton
+
+    check_causal_conv1d(causal_conv1d_triton, query_lens, 10240, 4, BF16, "cuda", 1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize(("dim", "strided"), [(5120, False), (2048, False), (256, True)])
 def test_rms_norm(rows, dim, strided):

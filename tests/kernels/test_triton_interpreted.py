@@ -24,7 +24,10 @@ from kernel_cases import (
     check_rms_norm,
     check_rotary,
     check_silu_mul,
+    query_start_of,
 )
+
+from ninfer.kernels import causal_conv1d as conv_reference
 
 if torch.cuda.is_available():
     pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
@@ -89,6 +92,52 @@ def test_causal_conv1d_prefill_and_decode_update_windows(interpreted):
     module = interpreted("causal_conv1d_triton")
     check_causal_conv1d(module, [1, 2, 19], 40, 4, torch.bfloat16, "cpu", 1e-2)
     check_causal_conv1d(module, [1, 1, 1], 40, 4, torch.float32, "cpu", 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "dtype", "tol"),
+    [
+        ([23], torch.float32, 1e-5),
+        ([2, 30, 1, 5, 1, 9], torch.float32, 1e-5),
+        ([3, 6, 3, 5], torch.float32, 1e-5),
+        ([1, 1, 13, 2], torch.bfloat16, 1e-2),
+    ],
+)
+def test_causal_conv1d_spreads_sequences_over_spans(interpreted, query_lens, dtype, tol):
+    """Spans of 4 tokens: several per sequence, sequences shorter than K - 1 continuing from
+    their window beside much longer ones, more programs than spans where lengths leave room,
+    and each program's search for its span scanning the sequences two at a time."""
+    module = interpreted("causal_conv1d_triton")
+    module.SPAN, module.SEARCH_BLOCK = 4, 2
+    check_causal_conv1d(module, query_lens, 40, 4, dtype, "cpu", tol)
+
+
+def test_causal_conv1d_continues_a_prompt_split_across_calls(interpreted):
+    """Two prefill chunks then a decode token, each call continuing from the windows the one
+    before left: the outputs and windows of the reference over each whole prompt at once."""
+    module = interpreted("causal_conv1d_triton")
+    module.SPAN = 4
+    channels, width = 24, 4
+    calls = [[2, 11], [9, 1], [1, 1]]  # tokens of each of the two sequences per call
+    lens = [sum(call[i] for call in calls) for i in range(2)]
+    xs = [torch.randn(n, channels) for n in lens]
+    weight = torch.randn(channels, width) / width**0.5
+    windows = torch.randn(5, channels, width - 1)
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    ref_windows = windows.clone()
+    ref = conv_reference.causal_conv1d(
+        torch.cat(xs), weight, ref_windows, slots, query_start_of(lens, "cpu")
+    )
+    done = [0, 0]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for call in calls:
+        x = torch.cat([xs[i][done[i] : done[i] + n] for i, n in enumerate(call)])
+        out = module.causal_conv1d(x, weight, windows, slots, query_start_of(call, "cpu"))
+        for i, piece in enumerate(out.split(call)):
+            outs[i].append(piece)
+            done[i] += call[i]
+    assert torch.allclose(torch.cat(outs[0] + outs[1]), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(windows, ref_windows)
 
 
 @pytest.mark.parametrize("strided", [False, True])
