@@ -156,6 +156,37 @@ def check_groupwise_linear(
     assert relative_error(gemv_reference.groupwise_linear(x, encoded), exact) < tol
 
 
+def check_grouped_groupwise_linear(
+    module,
+    format_name: str,
+    num_experts: int,
+    n: int,
+    k: int,
+    tokens: int,
+    pairs: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """Random (token, expert) pairs, experts repeated and some never chosen: row p must be
+    x[x_rows[p]] times expert experts[p]'s dequantized weight (in fp64: the kernel does not
+    round the weight to the activation dtype first)."""
+    fmt = get_format(format_name)
+    stored = fmt.encode(torch.randn(num_experts, n, k, device=device) * k**-0.5)
+    planes = {name: p.reshape(num_experts, n, -1) for name, p in stored.planes.items()}
+    weight = EncodedTensor(fmt.name, fmt.layout, (num_experts, n, k), planes)
+    x = torch.randn(tokens, k, device=device).to(dtype)
+    x_rows = torch.randint(0, tokens, (pairs,), device=device)
+    experts = torch.randint(0, num_experts, (pairs,), device=device)
+    every_product = torch.einsum("enk,tk->etn", stored.decode(torch.float64), x.double())
+    exact = every_product[experts, x_rows]
+    out = module.grouped_groupwise_linear(x, weight, x_rows, experts)
+    assert out.dtype == dtype and out.shape == (pairs, n)
+    assert relative_error(out, exact) < tol
+    reference = gemv_reference.grouped_groupwise_linear(x, weight, x_rows, experts)
+    assert relative_error(reference, exact) < tol
+
+
 def check_groupwise_dequant(
     module, format_name: str, n: int, k: int, dtype: torch.dtype, device
 ) -> None:

@@ -61,7 +61,9 @@ def random_model(
 ):
     """The model on random weights. With `format_of` (logical name, shape -> stored format)
     and where the model runs quantized linears (CUDA, half precision), every matrix stored in
-    a GEMV format is encoded on the device and kept encoded, as loading an artifact would."""
+    a GEMV format, the stacked [E, N, K] MoE experts included, is encoded on the device and
+    kept encoded, as loading an artifact would (a stacked tensor is encoded as its E * N rows,
+    the planes an artifact stores for it)."""
     from ninfer.models.layers.linear import GEMV_FORMATS
     from ninfer.models.qwen3_5 import runs_quantized
     from ninfer.models.registry import load_model
@@ -73,7 +75,7 @@ def random_model(
     encoded = {}
     if format_of is not None and runs_quantized(device, dtype, Shard()):
         for name in list(tensors):
-            if tensors[name].dim() != 2:
+            if tensors[name].dim() < 2:
                 continue
             chosen = format_of(name, tuple(tensors[name].shape))
             if chosen in GEMV_FORMATS:

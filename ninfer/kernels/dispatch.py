@@ -172,6 +172,19 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     return gemv_reference.groupwise_linear(x, weight)
 
 
+def grouped_groupwise_linear(
+    x: torch.Tensor, weight: EncodedTensor, x_rows: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """MoE experts: row p of the [P, N] result is W[experts[p]] @ x[x_rows[p]] for stacked
+    encoded experts W [E, N, K]. The Triton form reads the ids on the device (no host sync)."""
+    if use_triton(x, *weight.planes.values()) and x.dtype in _HALF:
+        from ninfer.kernels import groupwise_gemv_triton
+
+        if weight.format in groupwise_gemv_triton.SUPPORTED:
+            return groupwise_gemv_triton.grouped_groupwise_linear(x, weight, x_rows, experts)
+    return gemv_reference.grouped_groupwise_linear(x, weight, x_rows, experts)
+
+
 def groupwise_dequant(weight: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] form of an encoded weight in `dtype`, bit-identical on both paths."""
     if use_triton(*weight.planes.values()):

@@ -27,7 +27,7 @@ from ninfer.models.layers.attention import Attention
 from ninfer.models.layers.gated_deltanet import GatedDeltaNet
 from ninfer.models.layers.linear import quantize_linears
 from ninfer.models.layers.mlp import MLP
-from ninfer.models.layers.moe import SparseMoE
+from ninfer.models.layers.moe import SparseMoE, quantize_experts
 from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
 from ninfer.models.weights import WeightSource
@@ -270,6 +270,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device, shard=shard)
         if runs_quantized(torch.device(device), dtype, model.shard):
             quantize_linears(model, source, torch.device(device), logical_name)
+            quantize_experts(model, source, torch.device(device), logical_name)
         state = {
             name: model.shard.slice_parameter(
                 name, source.tensor(logical_name(name), dtype=dtype), parsed
@@ -333,8 +334,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
 
 def runs_quantized(device: torch.device, dtype: torch.dtype, shard: Shard) -> bool:
-    """Whether linears stored in a group-wise int format stay encoded (GPU kernels in half
-    precision, one rank); elsewhere they are dequantized at load, the exact reference path."""
+    """Whether linears and MoE experts stored in a group-wise int format stay encoded (GPU
+    kernels in half precision, one rank); elsewhere they are dequantized at load, the exact
+    reference path."""
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and shard.world == 1
 
 

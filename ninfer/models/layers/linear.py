@@ -22,6 +22,14 @@ from ninfer.quant import EncodedTensor
 GEMV_MAX_ROWS = 16
 
 
+def encoded_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """x [M, K] @ W.T for an encoded [N, K] weight: the GEMV for up to `GEMV_MAX_ROWS` rows,
+    else the weight dequantized to x's dtype and a dense matmul."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return groupwise_linear(x.contiguous(), weight)
+    return F.linear(x, groupwise_dequant(weight, x.dtype))
+
+
 class GroupwiseLinear(nn.Module):
     def __init__(self, encoded: EncodedTensor) -> None:
         super().__init__()
@@ -48,9 +56,7 @@ class GroupwiseLinear(nn.Module):
         return EncodedTensor(self.format, self.layout, self.shape, planes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            return groupwise_linear(x.contiguous(), self.encoded)
-        return F.linear(x, groupwise_dequant(self.encoded, x.dtype))
+        return encoded_linear(x, self.encoded)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"

@@ -1,29 +1,76 @@
 """Qwen3.5 sparse MoE: fp32 softmax over all experts, top-k, renormalise, cast to the model
 dtype; SwiGLU experts stored stacked (`gate_up_proj` [E, 2I, H] gate rows first, `down_proj`
 [E, H, I]); plus a shared SwiGLU expert scaled by sigmoid(x . w_shared_gate).
-With expert parallelism a rank holds a contiguous block of the experts and adds only theirs."""
+With expert parallelism a rank holds a contiguous block of the experts and adds only theirs.
+
+`Experts` holds dense weights (the CPU reference path). On CUDA in half precision, experts
+stored in a group-wise int format stay encoded (`GroupwiseExperts`, swapped in at load by
+`quantize_experts`): decode reads only the chosen experts' codes, which is where a MoE decode
+step's time goes."""
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.dispatch import silu_mul
+from ninfer.errors import ArtifactError
+from ninfer.kernels.dispatch import grouped_groupwise_linear, silu_mul
+from ninfer.models.layers.linear import GEMV_FORMATS, encoded_linear
 from ninfer.models.layers.mlp import MLP
+from ninfer.quant import EncodedTensor
 
 # Tokens up to this many take the gathered (graph-safe) expert path on the GPU.
 GATHERED_MAX_TOKENS = 64
 
 
-class Experts(nn.Module):
+def _sorted_routes(
+    experts: torch.Tensor, weights: torch.Tensor, first: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's k choices in expert id order (the order the per-expert loop adds them):
+    (local expert ids clamped into range, their weights, whether this rank holds them)."""
+    experts, order = experts.sort(dim=-1)
+    weights = weights.gather(1, order)
+    local = experts - first
+    held = (local >= 0) & (local < count)
+    return local.clamp(0, count - 1), weights, held
+
+
+class RoutedExperts(nn.Module):
+    """What both expert forms share: the held range and the per-expert loop of prefill."""
+
+    first: int  # global id of local expert 0
+    num_experts: int  # experts this rank holds
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of local expert `local` over the rows of x."""
+        raise NotImplementedError
+
+    def _forward_per_expert(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Experts present in the batch one at a time, in id order (reads the ids on the host)."""
+        out = torch.zeros_like(x)
+        held = range(self.first, self.first + self.num_experts)
+        for expert in experts.unique().tolist():
+            if expert not in held:
+                continue
+            token, choice = (experts == expert).nonzero(as_tuple=True)
+            y = self.expert_mlp(expert - self.first, x[token])
+            out.index_add_(0, token, y * weights[token, choice, None])
+        return out
+
+
+class Experts(RoutedExperts):
     def __init__(self, experts: range, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.first = experts.start  # global id of local expert 0
-        num_experts = len(experts)
+        self.first = experts.start
+        self.num_experts = len(experts)
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+            torch.empty(self.num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+            torch.empty(self.num_experts, hidden_size, intermediate_size), requires_grad=False
         )
 
     def forward(
@@ -33,38 +80,173 @@ class Experts(nn.Module):
         dtype, expert by expert in id order, as the transformers reference does."""
         if x.is_cuda and x.shape[0] <= GATHERED_MAX_TOKENS:
             return self._forward_gathered(x, experts, weights)
-        out = torch.zeros_like(x)
-        held = range(self.first, self.first + self.gate_up_proj.shape[0])
-        for expert in experts.unique().tolist():
-            if expert not in held:
-                continue
-            token, choice = (experts == expert).nonzero(as_tuple=True)
-            local = expert - self.first
-            gate, up = F.linear(x[token], self.gate_up_proj[local]).chunk(2, dim=-1)
-            y = F.linear(silu_mul(gate, up), self.down_proj[local])
-            out.index_add_(0, token, y * weights[token, choice, None])
-        return out
+        return self._forward_per_expert(x, experts, weights)
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[local]).chunk(2, dim=-1)
+        return F.linear(silu_mul(gate, up), self.down_proj[local])
 
     def _forward_gathered(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Decode-sized batches on the GPU: no host sync and fixed shapes (CUDA-graph safe).
-        Each token's k chosen experts are taken in id order (the order the loop above adds
+        Each token's k chosen experts are taken in id order (the order `_forward_per_expert` adds
         them), their weights gathered per token and applied as batched matrix-vector products."""
-        count = self.gate_up_proj.shape[0]
-        experts, order = experts.sort(dim=-1)
-        weights = weights.gather(1, order)
-        local = experts - self.first
-        held = (local >= 0) & (local < count)
-        local = local.clamp(0, count - 1)
+        local, weights, held = _sorted_routes(experts, weights, self.first, self.num_experts)
         out = torch.zeros_like(x)
-        for choice in range(experts.shape[1]):
+        for choice in range(local.shape[1]):
             index = local[:, choice]
             gate, up = torch.bmm(self.gate_up_proj[index], x[:, :, None])[..., 0].chunk(2, dim=-1)
             y = torch.bmm(self.down_proj[index], silu_mul(gate, up)[:, :, None])[..., 0]
             y = y * weights[:, choice, None]
             out = out + torch.where(held[:, choice, None], y, torch.zeros_like(y))
         return out
+
+
+class GroupwiseExperts(RoutedExperts):
+    """The held experts in their stored group-wise int form (`q4_g64_fp16`, `q8_g32_fp16`):
+    planes [E, N, ...] per projection. Up to `GATHERED_MAX_TOKENS` tokens run two grouped
+    GEMVs over all (token, choice) pairs, which read each chosen expert's codes once per pair
+    and dequantize in registers (no host sync, fixed shapes: CUDA-graph safe); more tokens loop
+    over the experts present, each through the GEMV or a dequantized matmul (`encoded_linear`)."""
+
+    def __init__(self, experts: range, gate_up: EncodedTensor, down: EncodedTensor) -> None:
+        super().__init__()
+        self.first = experts.start
+        self.num_experts = len(experts)
+        self.plane_names: dict[str, tuple[str, ...]] = {}
+        self.stored_as: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+        for proj, encoded in (("gate_up_proj", gate_up), ("down_proj", down)):
+            if len(encoded.shape) != 3 or encoded.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"{proj}: expected {self.num_experts} stacked experts, got shape {encoded.shape}"
+                )
+            count, rows, _ = encoded.shape
+            self.stored_as[proj] = (encoded.format, encoded.layout, tuple(encoded.shape))
+            self.plane_names[proj] = tuple(encoded.planes)
+            for name, plane in encoded.planes.items():
+                # planes may come as stored, [E * N, ...] (rows of the flattened tensor)
+                self.register_buffer(
+                    f"{proj}_{name}", plane.reshape(count, rows, -1), persistent=False
+                )
+
+    @classmethod
+    def from_stored(
+        cls,
+        held: range,
+        gate_up: EncodedTensor,
+        down: EncodedTensor,
+        device: torch.device | str = "cpu",
+    ) -> GroupwiseExperts:
+        """From the stored stacked tensors of every expert (`gate_up_proj` [E, 2I, H],
+        `down_proj` [E, H, I], planes [E * N, ...] as an artifact holds them): only the
+        experts in `held` are copied to `device`."""
+
+        def held_planes(stored: EncodedTensor) -> EncodedTensor:
+            count, rows, k = stored.shape
+            planes = {
+                name: plane.reshape(count, rows, -1)[held.start : held.stop].to(device)
+                for name, plane in stored.planes.items()
+            }
+            return EncodedTensor(stored.format, stored.layout, (len(held), rows, k), planes)
+
+        return cls(held, held_planes(gate_up), held_planes(down))
+
+    @property
+    def format(self) -> str:
+        return self.stored_as["gate_up_proj"][0]
+
+    @property
+    def gate_up_proj(self) -> EncodedTensor:
+        """The stacked form the grouped GEMV reads: shape [E, 2I, H], planes [E, 2I, ...]."""
+        return self._encoded("gate_up_proj")
+
+    @property
+    def down_proj(self) -> EncodedTensor:
+        return self._encoded("down_proj")
+
+    def _encoded(self, proj: str, local: int | None = None) -> EncodedTensor:
+        """The stacked experts of `proj`, or local expert `local`'s [N, K] weight alone."""
+        fmt, layout, shape = self.stored_as[proj]
+        planes = {name: getattr(self, f"{proj}_{name}") for name in self.plane_names[proj]}
+        if local is None:
+            return EncodedTensor(fmt, layout, shape, planes)
+        return EncodedTensor(
+            fmt, layout, shape[1:], {name: plane[local] for name, plane in planes.items()}
+        )
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H]; experts, weights [T, k]. Sums the weighted expert outputs in the model
+        dtype in expert id order, as `Experts` does."""
+        if x.shape[0] <= GATHERED_MAX_TOKENS:
+            return self._forward_grouped(x, experts, weights)
+        return self._forward_per_expert(x, experts, weights)
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = encoded_linear(x, self._encoded("gate_up_proj", local)).chunk(2, dim=-1)
+        return encoded_linear(silu_mul(gate, up), self._encoded("down_proj", local))
+
+    def _forward_grouped(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        local, weights, held = _sorted_routes(experts, weights, self.first, self.num_experts)
+        tokens, top_k = local.shape
+        pairs = local.reshape(-1)  # pair t * k + c: token t's c-th choice in id order
+        rows = torch.arange(tokens * top_k, device=x.device)
+        gate_up = grouped_groupwise_linear(x, self.gate_up_proj, rows // top_k, pairs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = grouped_groupwise_linear(silu_mul(gate, up), self.down_proj, rows, pairs)
+        y = y.view(tokens, top_k, -1) * weights[:, :, None]
+        y = torch.where(held[:, :, None], y, torch.zeros_like(y))  # other ranks' experts
+        # added one choice at a time in the model dtype, as `Experts` adds them
+        out = y[:, 0]
+        for choice in range(1, top_k):
+            out = out + y[:, choice]
+        return out
+
+    def extra_repr(self) -> str:
+        return f"experts={self.first}..{self.first + self.num_experts - 1}, format={self.format}"
+
+
+def quantize_experts(model: nn.Module, source, device: torch.device, to_logical) -> list[str]:
+    """Replace every `Experts` of `model` (built on the meta device) whose `gate_up_proj` and
+    `down_proj` `source.encoded(name)` stores in GEMV formats by a `GroupwiseExperts` holding
+    this rank's experts' planes on `device`. `to_logical` maps a parameter name to its logical
+    tensor name. Experts whose rows are split over ranks stay as they are. Returns the
+    replaced modules' names."""
+    encoded_of = getattr(source, "encoded", None)
+    if encoded_of is None:
+        return []
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Experts):
+            continue
+        stored = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            try:
+                stored[proj] = encoded_of(to_logical(f"{name}.{proj}"))
+            except (KeyError, ArtifactError):
+                break  # not stored as one object (parts), or not in the source
+        if len(stored) < 2:
+            continue
+        held = range(module.first, module.first + module.num_experts)
+        if not all(
+            encoded.format in GEMV_FORMATS
+            and len(encoded.shape) == 3
+            and held.stop <= encoded.shape[0]
+            and tuple(encoded.shape[1:]) == tuple(getattr(module, proj).shape[1:])
+            for proj, encoded in stored.items()
+        ):
+            continue
+        layer = GroupwiseExperts.from_stored(
+            held, stored["gate_up_proj"], stored["down_proj"], device
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+        replaced.append(name)
+    return replaced
 
 
 class SparseMoE(nn.Module):

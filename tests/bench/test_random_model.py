@@ -1,0 +1,36 @@
+"""The bench's random models keep what an artifact would keep encoded: with a weight profile
+and where linears run quantized, the stacked MoE experts are encoded too (as their E * N rows,
+the planes an artifact stores) and load as `GroupwiseExperts`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.bench.shapes import SHAPES
+from ninfer.bench.targets import random_model
+from ninfer.bench.traffic import profile_formats
+from ninfer.models import qwen3_5
+from ninfer.models.layers.linear import GroupwiseLinear
+from ninfer.models.layers.moe import Experts, GroupwiseExperts
+
+
+@pytest.mark.parametrize(("weights", "expected"), [("q4", "q4_g64_fp16"), ("q8", "q8_g32_fp16")])
+def test_random_moe_model_keeps_its_experts_encoded(monkeypatch, weights, expected):
+    monkeypatch.setattr(qwen3_5, "runs_quantized", lambda *args: True)  # as on CUDA in bf16
+    config = SHAPES["tiny-moe"]
+    format_of = profile_formats(config, weights)
+    model = random_model(config, torch.device("cpu"), torch.float32, format_of=format_of)
+    experts = [m for m in model.modules() if isinstance(m, GroupwiseExperts)]
+    assert len(experts) == config["num_hidden_layers"]
+    assert {m.format for m in experts} == {expected}
+    assert experts[0].gate_up_proj.shape == (8, 64, 64)  # [E, 2I, H]
+    assert experts[0].down_proj_scales.shape[:2] == (8, 64)  # [E, H, groups]
+    assert any(isinstance(m, GroupwiseLinear) for m in model.modules())
+    assert not any(isinstance(m, Experts) for m in model.modules())
+
+
+def test_random_model_without_a_profile_keeps_experts_dense():
+    model = random_model(SHAPES["tiny-moe"], torch.device("cpu"), torch.float32)
+    assert any(isinstance(m, Experts) for m in model.modules())
+    assert not any(isinstance(m, GroupwiseExperts) for m in model.modules())

@@ -1,0 +1,75 @@
+"""The grouped group-wise GEMV of MoE decode (`groupwise_gemv_triton.grouped_groupwise_linear`)
+run by Triton's CPU interpreter on tiny shapes, against its torch reference and inside
+`GroupwiseExperts`. In fp16: the interpreter rounds to bf16 by truncation. The set-up rules of
+tests/kernels/test_triton_interpreted.py apply (TRITON_INTERPRET=1 before Triton is imported;
+a GPU present means tests/gpu covers the compiled kernel)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from kernel_cases import check_grouped_groupwise_linear, relative_error
+
+from ninfer.models.layers import moe
+from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
+from ninfer.quant import get_format
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "Triton was imported before interpretation could be switched on", allow_module_level=True
+    )
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def gemv_triton():
+    spec = importlib.util.find_spec("ninfer.kernels.groupwise_gemv_triton")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("format_name", "n", "k"),
+    [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 24, 96)],
+)
+@pytest.mark.parametrize(("tokens", "pairs"), [(1, 3), (4, 12)])
+def test_grouped_gemv_matches_the_dequantized_experts(
+    gemv_triton, format_name, n, k, tokens, pairs
+):
+    check_grouped_groupwise_linear(
+        gemv_triton, format_name, 5, n, k, tokens, pairs, torch.float16, "cpu", 2e-3
+    )
+
+
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("held", [range(6), range(2, 5)], ids=["all", "ep-rank"])
+def test_groupwise_experts_decode_with_the_grouped_kernel(
+    gemv_triton, monkeypatch, format_name, held
+):
+    """Both GEMVs of the decode path through the interpreted kernel; choices outside the
+    rank's experts add nothing."""
+    monkeypatch.setattr(moe, "grouped_groupwise_linear", gemv_triton.grouped_groupwise_linear)
+    hidden, width, top_k, tokens = 128, 96, 3, 4
+    fmt = get_format(format_name)
+    gate_up = fmt.encode(torch.randn(6, 2 * width, hidden) * hidden**-0.5)
+    down = fmt.encode(torch.randn(6, hidden, width) * width**-0.5)
+    dense = Experts(held, hidden, width)
+    dense.gate_up_proj.data = gate_up.decode(torch.float32)[held.start : held.stop]
+    dense.down_proj.data = down.decode(torch.float32)[held.start : held.stop]
+    encoded = GroupwiseExperts.from_stored(held, gate_up, down)
+    x = torch.randn(tokens, hidden)
+    weights, experts = torch.softmax(torch.randn(tokens, 6), -1).topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    assert tokens <= GATHERED_MAX_TOKENS
+    out = encoded(x.half(), experts, weights.half())
+    assert out.dtype == torch.float16
+    assert relative_error(out, dense(x, experts, weights)) < 3e-3
