@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ class BenchOptions:
     seed: int = 0
     cuda_graph: bool = True
     profile: bool = False  # per-kernel device time of each case on ninfer (profile.py)
+    # called with each row (as a dict) as soon as it is timed, so a long run that is cut
+    # short has still shown what it measured
+    on_row: Callable[[dict[str, Any]], None] | None = None
 
 
 def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
@@ -78,6 +82,8 @@ def _time_cases(target, cases, options, traffic, ceilings, weights) -> list[Row]
             for rep in range(options.repetitions)
         ]
         rows.append(summarize(target.name, weights, case, repetitions, traffic, ceilings))
+        if options.on_row is not None:
+            options.on_row(asdict(rows[-1]))
     return rows
 
 
@@ -197,6 +203,33 @@ def si(value: float) -> str:
     return f"{value:.3g}"
 
 
+TABLE_HEADER = (
+    f"{'engine':7} {'weights':8} {'test':14} {'C':>3} {'tok/s':>10} {'±':>8} "
+    f"{'SoL':>6} {'bound':6} {'step ms':>8} {'host ms':>8} {'host%':>6} {'B/step':>8} "
+    f"{'TFLOP/s':>8}"
+)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One row of the table (under TABLE_HEADER)."""
+    step = f"{row['decode_step_ms']:.2f}" if row["decode_step_ms"] is not None else "-"
+    host, share = "-", "-"
+    if row["decode_host_ms"] is not None:
+        host, share = f"{row['decode_host_ms']:.3f}", f"{row['decode_host_share']:.1%}"
+    gb = si(row["decode_bytes_per_step"]) if row["decode_bytes_per_step"] is not None else "-"
+    tflops = (
+        f"{row['prefill_flops_per_s'] / 1e12:.2f}"
+        if row["prefill_flops_per_s"] is not None
+        else "-"
+    )
+    return (
+        f"{row['engine']:7} {row['weights']:8} {row['test']:14} {row['concurrency']:>3} "
+        f"{row['tokens_per_s']:>10.1f} {row['tokens_per_s_std']:>8.1f} "
+        f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {host:>8} {share:>6} "
+        f"{gb:>8} {tflops:>8}"
+    )
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as a short text table: header lines, then one line per row (with its
     kernel profile under it when the run profiled)."""
@@ -210,27 +243,10 @@ def format_table(report: dict[str, Any]) -> str:
         f"{si(report['weight_bytes_per_token'])}B; "
         f"linears execute as {report['executed_weights']}",
         "",
-        f"{'engine':7} {'weights':8} {'test':14} {'C':>3} {'tok/s':>10} {'±':>8} "
-        f"{'SoL':>6} {'bound':6} {'step ms':>8} {'host ms':>8} {'host%':>6} {'B/step':>8} "
-        f"{'TFLOP/s':>8}",
+        TABLE_HEADER,
     ]
     for row in report["rows"]:
-        step = f"{row['decode_step_ms']:.2f}" if row["decode_step_ms"] is not None else "-"
-        host, share = "-", "-"
-        if row["decode_host_ms"] is not None:
-            host, share = f"{row['decode_host_ms']:.3f}", f"{row['decode_host_share']:.1%}"
-        gb = si(row["decode_bytes_per_step"]) if row["decode_bytes_per_step"] is not None else "-"
-        tflops = (
-            f"{row['prefill_flops_per_s'] / 1e12:.2f}"
-            if row["prefill_flops_per_s"] is not None
-            else "-"
-        )
-        lines.append(
-            f"{row['engine']:7} {row['weights']:8} {row['test']:14} {row['concurrency']:>3} "
-            f"{row['tokens_per_s']:>10.1f} {row['tokens_per_s_std']:>8.1f} "
-            f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {host:>8} {share:>6} "
-            f"{gb:>8} {tflops:>8}"
-        )
+        lines.append(format_row(row))
         if "profile" in row:
             lines += format_profile(row)
     return "\n".join(lines)

@@ -194,6 +194,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-file", metavar="FILE", help="also write the JSON report here")
 
 
+class _Progress:
+    """Each row on stderr as soon as it is timed (the report on stdout comes at the end), so
+    a run that is cut short has still shown what it measured."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def __call__(self, row: dict) -> None:
+        from ninfer.bench.run import TABLE_HEADER, format_row
+
+        if not self.started:
+            print(TABLE_HEADER, file=sys.stderr)
+            self.started = True
+        print(format_row(row), file=sys.stderr, flush=True)
+
+
 def run(inputs: argparse.Namespace) -> int:
     from ninfer.bench.cases import make_cases
     from ninfer.bench.run import BenchOptions, format_table, run_bench
@@ -206,6 +222,7 @@ def run(inputs: argparse.Namespace) -> int:
     if args.file is None and args.shape is None:
         raise ConfigError("give a .ninfer file or --shape")
     cases = make_cases(prompts, gens, args.prompt_gens, args.concurrency)
+    progress = _Progress()
     report = run_bench(
         BenchOptions(
             cases=cases,
@@ -222,6 +239,7 @@ def run(inputs: argparse.Namespace) -> int:
             seed=args.seed,
             cuda_graph=not args.no_cuda_graph,
             profile=args.profile,
+            on_row=progress,
         )
     )
     text = json.dumps(report, indent=1) if args.output == "json" else format_table(report)

@@ -73,6 +73,27 @@ def test_table_output_on_a_moe_shape(capsys):
     assert float(step) > 0 and (host, share) == ("-", "-")
 
 
+def test_each_row_reaches_stderr_as_soon_as_it_is_timed(capsys, monkeypatch):
+    """A run cut short (a time limit) must still have shown the rows it finished: each row is
+    printed to stderr when timed, before the next case runs; the report stays on stdout."""
+    from ninfer.bench import run as bench_run
+
+    seen_before_second_case = []
+    real = bench_run.summarize
+
+    def watching(*args, **kwargs):
+        seen_before_second_case.append(capsys.readouterr().err)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "summarize", watching)
+    argv = ["bench", "--shape", "tiny", "-p", "4", "-n", "2", "-r", "1", "--warmup", "0"]
+    assert main([*argv, "--device", "cpu", "-o", "json"]) == 0
+    captured = capsys.readouterr()
+    assert " pp4 " in seen_before_second_case[1]  # printed before tg2 was summarized
+    assert " tg2 " in captured.err
+    assert json.loads(captured.out)["rows"][1]["test"] == "tg2"
+
+
 def test_a_ninfer_file_is_benched_with_its_stored_formats(capsys, tiny_artifact):
     _, artifact_path = tiny_artifact(weights="groupwise-int")
     report = run_json(capsys, str(artifact_path), "-n", "2", "-r", "1", "--warmup", "0")
