@@ -285,28 +285,30 @@ def _rows_linear(
     return out if splits == 1 else out.to(x.dtype)
 
 
+def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor):
+    """(bits, group, codes, scales) of a SUPPORTED weight, checking unit stride along K."""
+    bits, group = SUPPORTED[weight.format]
+    codes, scales = weight.planes["codes"], weight.planes["scales"]
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise ValueError("groupwise GEMV needs unit stride along K")
+    return bits, group, codes, scales
+
+
 def grouped_groupwise_linear(
     x: torch.Tensor, weight: EncodedTensor, x_rows: torch.Tensor, experts: torch.Tensor
 ) -> torch.Tensor:
     """MoE decode: x [T, K]; weight: encoded stacked experts [E, N, K]; x_rows, experts: [P]
     int32/int64 on x's device. Returns [P, N]: row p is W[experts[p]] @ x[x_rows[p]]. The
     expert ids are read on the device, so the call has fixed shapes (CUDA-graph safe)."""
-    bits, group = SUPPORTED[weight.format]
-    _, num_rows, _ = weight.shape
-    codes, scales = weight.planes["codes"], weight.planes["scales"]
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scales.stride(-1) != 1:
-        raise ValueError("groupwise GEMV needs unit stride along K")
-    return _rows_linear(x, codes, scales, num_rows, bits, group, x_rows, experts)
+    bits, group, codes, scales = _unit_stride_planes(x, weight)
+    return _rows_linear(x, codes, scales, weight.shape[1], bits, group, x_rows, experts)
 
 
 def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """x: [M, K] bf16/fp16; weight: an encoded [N, K] tensor in a SUPPORTED format, planes on
     x's device. Returns [M, N] in x's dtype."""
-    bits, group = SUPPORTED[weight.format]
+    bits, group, codes, scales = _unit_stride_planes(x, weight)
     num_rows, k = weight.shape
-    codes, scales = weight.planes["codes"], weight.planes["scales"]
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scales.stride(-1) != 1:
-        raise ValueError("groupwise GEMV needs unit stride along K")
     m = x.shape[0]
     if m <= VECTOR_MAX_ROWS:
         return _rows_linear(x, codes, scales, num_rows, bits, group)
