@@ -22,6 +22,7 @@ from ninfer.bench.ceilings import copy_bandwidth
 from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import (
     causal_conv1d_triton,
+    gated_rms_norm_triton,
     gdn_recurrent_triton,
     groupwise_dequant_triton,
     groupwise_gemv_triton,
@@ -126,6 +127,16 @@ def bench_rms_norm(rows: int):
     return f"rms norm + residual rows={rows}", median_ms(fn), moved
 
 
+def bench_gated_rms_norm(tokens: int):
+    """The GDN output norm: x as the delta rule returns it, z the heads of z's projection."""
+    x = torch.randn(tokens, GDN_VALUE_HEADS, GDN_DIM, device=DEVICE, dtype=BF16)
+    z = torch.randn_like(x)
+    weight = torch.randn(GDN_DIM, device=DEVICE, dtype=BF16)
+    fn = lambda: gated_rms_norm_triton.gated_rms_norm(x, z, weight, 1e-6)
+    moved = 3 * x.numel() * 2
+    return f"gated rms norm tokens={tokens}", median_ms(fn), moved
+
+
 def bench_gemv(format_name: str, m: int, n: int, k: int):
     fmt = get_format(format_name)
     weight_bytes = fmt.encoded_nbytes((n, k))
@@ -171,6 +182,9 @@ def main() -> None:
         bench_conv(64),
         bench_rms_norm(8),
         bench_rms_norm(8192),
+        bench_gated_rms_norm(1),
+        bench_gated_rms_norm(8),
+        bench_gated_rms_norm(4096),
     ]
     gemv_rows = [
         bench_gemv(name, m, n, k)

@@ -8,6 +8,7 @@ import torch
 
 from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import causal_conv1d as conv_reference
+from ninfer.kernels import gated_rms_norm as gated_norm_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
@@ -139,6 +140,30 @@ def check_rms_norm(
     ref_y, ref_total = norm_reference.rms_norm(x, weight, eps, residual)
     assert torch.equal(total, ref_total)
     assert relative_error(y, ref_y) < tol
+
+
+def check_gated_rms_norm(
+    module, tokens: int, heads: int, dim: int, dtype: torch.dtype, device, tol: float
+) -> None:
+    """x a contiguous [tokens, heads, dim] as the delta rule returns it, z the heads of a slice of
+    a wider projection (token rows strided), as a fused projection would give it. Passes when
+    max |out - ref| <= tol * max |ref|: in half precision tol = finfo.eps, one rounding step at
+    the output's scale, since the fp32 sum of squares and rsqrt differ from torch's in the last
+    bits and can flip the rounding of normed (then of the output) by one step. In half precision
+    under 1 % of the outputs may differ at all: the kernel rounds where the reference rounds
+    (skipping the rounding of normed or of w * normed changes about a quarter of them)."""
+    x = torch.randn(tokens, heads, dim, device=device).to(dtype) * 3
+    wide = (torch.randn(tokens, heads * dim + 24, device=device) * 2).to(dtype)
+    z = wide[:, 24:].view(tokens, heads, dim)
+    weight = (1 + torch.randn(dim, device=device) * 0.2).to(dtype)
+    eps = 1e-6
+    out = module.gated_rms_norm(x, z, weight, eps)
+    ref = gated_norm_reference.gated_rms_norm(x, z, weight, eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    if dtype != torch.float32:
+        assert (out != ref).float().mean() < 0.01
 
 
 def check_groupwise_linear(

@@ -163,6 +163,17 @@ def rms_norm(
     return module.rms_norm(x, weight, eps, residual)
 
 
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The GDN output norm: RMSNorm of each head's row of x, times weight, times silu(z)."""
+    from ninfer.kernels import gated_rms_norm as module
+
+    if use_triton(x, z, weight):
+        from ninfer.kernels import gated_rms_norm_triton as module
+    return module.gated_rms_norm(x, z, weight, eps)
+
+
 def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     if use_triton(x) and x.dtype in _HALF:
         from ninfer.kernels import groupwise_gemv_triton

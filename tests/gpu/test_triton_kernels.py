@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_cases import (
     check_causal_conv1d,
+    check_gated_rms_norm,
     check_gdn_recurrent,
     check_groupwise_dequant,
     check_groupwise_linear,
@@ -92,6 +93,19 @@ def test_rms_norm(rows, dim, strided):
     check_rms_norm(rms_norm_triton, rows, dim, BF16, "cuda", 1e-2, strided)
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 4096])
+def test_gated_rms_norm(tokens):
+    """The 27B GDN output norm shape, [tokens, 48 value heads, 128]. bf16 within one rounding
+    step at the output's scale (finfo.eps * max|ref|): fp32 sum and rsqrt differing from torch's
+    in the last bits flip the bf16 rounding of normed or of the output by at most a step."""
+    from ninfer.kernels import gated_rms_norm_triton
+
+    check_gated_rms_norm(
+        gated_rms_norm_triton, tokens, 48, 128, BF16, "cuda", torch.finfo(BF16).eps
+    )
+    check_gated_rms_norm(gated_rms_norm_triton, tokens, 48, 128, torch.float32, "cuda", 1e-5)
+
+
 @pytest.mark.parametrize("m", [1, 4, 16, 33])
 @pytest.mark.parametrize(("n", "k"), [(1024, 5120), (4000, 1000), (320, 17408)])
 @pytest.mark.parametrize("format_name", ["q8_g32_fp16", "q4_g64_fp16"])
@@ -125,4 +139,19 @@ def test_dispatch_sends_cuda_tensors_to_triton(monkeypatch):
     x = torch.randn(3, 64, device="cuda", dtype=BF16)
     dispatch.rms_norm(x, torch.zeros(64, device="cuda", dtype=BF16), 1e-6)
     dispatch.rms_norm(x.cpu(), torch.zeros(64, dtype=BF16), 1e-6)
+    assert calls == [1]
+
+
+def test_dispatch_sends_cuda_gated_rms_norm_to_triton(monkeypatch):
+    from ninfer.kernels import dispatch, gated_rms_norm_triton
+
+    calls = []
+    real = gated_rms_norm_triton.gated_rms_norm
+    monkeypatch.setattr(
+        gated_rms_norm_triton, "gated_rms_norm", lambda *a: calls.append(1) or real(*a)
+    )
+    x = torch.randn(1, 48, 128, device="cuda", dtype=BF16)
+    weight = torch.ones(128, device="cuda", dtype=BF16)
+    dispatch.gated_rms_norm(x, x, weight, 1e-6)
+    dispatch.gated_rms_norm(x.cpu(), x.cpu(), weight.cpu(), 1e-6)
     assert calls == [1]

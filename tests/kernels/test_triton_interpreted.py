@@ -15,6 +15,7 @@ import pytest
 import torch
 from kernel_cases import (
     check_causal_conv1d,
+    check_gated_rms_norm,
     check_gdn_recurrent,
     check_groupwise_dequant,
     check_groupwise_linear,
@@ -28,6 +29,7 @@ from kernel_cases import (
 )
 
 from ninfer.kernels import causal_conv1d as conv_reference
+from ninfer.kernels import gated_rms_norm as gated_norm_reference
 
 if torch.cuda.is_available():
     pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
@@ -144,6 +146,35 @@ def test_causal_conv1d_continues_a_prompt_split_across_calls(interpreted):
 def test_rms_norm_with_and_without_residual(interpreted, strided):
     module = interpreted("rms_norm_triton")
     check_rms_norm(module, 5, 48, torch.float16, "cpu", 2e-3, strided)
+
+
+@pytest.mark.parametrize("dim", [128, 20])
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [
+        pytest.param(torch.float32, 1e-6, id="fp32"),
+        pytest.param(torch.float16, torch.finfo(torch.float16).eps, id="fp16"),
+    ],
+)
+def test_gated_rms_norm_matches_reference(interpreted, dim, dtype, tol):
+    """35 rows: two full blocks of 16 rows at dim 128 and a partial third; one partial block of
+    64 at dim 20 (padded to 32 columns)."""
+    module = interpreted("gated_rms_norm_triton")
+    check_gated_rms_norm(module, 5, 7, dim, dtype, "cpu", tol)
+
+
+def test_gated_rms_norm_takes_rows_without_unit_stride_and_flat_rows(interpreted):
+    """x with heads and dims transposed (copied to unit stride by the launcher) and a plain
+    [rows, dim] pair (one token of `rows` heads) give the reference's values."""
+    module = interpreted("gated_rms_norm_triton")
+    weight = torch.randn(24)
+    x = torch.randn(3, 24, 5).transpose(1, 2)
+    z = torch.randn(3, 5, 24)
+    out = module.gated_rms_norm(x, z, weight, 1e-6)
+    assert torch.allclose(out, gated_norm_reference.gated_rms_norm(x, z, weight, 1e-6), atol=1e-6)
+    x, z = torch.randn(9, 24), torch.randn(9, 24)
+    out = module.gated_rms_norm(x, z, weight, 1e-6)
+    assert torch.allclose(out, gated_norm_reference.gated_rms_norm(x, z, weight, 1e-6), atol=1e-6)
 
 
 @pytest.mark.parametrize(("format_name", "k"), [("q8_g32_fp16", 200), ("q4_g64_fp16", 300)])

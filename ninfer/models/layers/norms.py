@@ -3,10 +3,9 @@ casting once; `GatedRMSNorm` (GDN output) scales by plain w in the model dtype, 
 in fp32, as the reference does."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.dispatch import rms_norm
+from ninfer.kernels.dispatch import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +25,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        scaled = self.weight * normed.to(x.dtype)
-        return (scaled.float() * F.silu(z.float())).to(x.dtype)
+        return gated_rms_norm(x, z, self.weight, self.eps)
