@@ -10,6 +10,7 @@ from ninfer.engine.kv_pool import PAGE_SIZE
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
+from ninfer.kernels import gdn_gates as gates_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
@@ -369,3 +370,44 @@ def check_rotary(
     assert out.dtype == dtype and out.shape == x.shape
     assert relative_error(out[..., :rot_dim], exact[..., :rot_dim]) < tol
     assert torch.equal(out[..., rot_dim:], x[..., rot_dim:])
+
+
+def check_gdn_gates(
+    module, tokens: int, heads: int, dtype: torch.dtype, device, g_tol: float, beta_ulps: int
+) -> None:
+    """b and a as the halves of one fused [T, 2H] product; a + dt_bias spans softplus's
+    pass-through above 20 and its tail far below 0. g (fp32) within `g_tol` of the reference
+    elementwise (relative), beta within `beta_ulps` units of the last place of its dtype."""
+    ba = (torch.randn(tokens, 2 * heads, device=device) * 8).to(dtype)
+    b, a = ba[:, :heads], ba[:, heads:]
+    A_log = (torch.randn(heads, device=device) * 0.5).to(dtype)
+    dt_bias = torch.linspace(-30, 30, heads, device=device).to(dtype)
+    g, beta = module.gdn_gates(b, a, A_log, dt_bias)
+    ref_g, ref_beta = gates_reference.gdn_gates(b, a, A_log, dt_bias)
+    assert g.dtype == torch.float32 and g.shape == (tokens, heads)
+    assert beta.dtype == dtype and beta.shape == (tokens, heads)
+    assert torch.allclose(g, ref_g, rtol=g_tol, atol=0.0)
+    ulp = torch.finfo(dtype).eps / 2  # beta < 1: one unit in the last place is at most this
+    assert (beta.float() - ref_beta.float()).abs().max().item() <= beta_ulps * ulp
+
+
+def check_fused_groupwise_linear(
+    module, format_name: str, m: int, sizes: list[int], k: int, dtype: torch.dtype, device, tol
+) -> None:
+    """The GEMV over weights stacked by rows (`fuse_linears` of encoded linears): each part of
+    its output against the GEMV over that weight alone, and the stacked planes decode to the
+    stacked weights bit for bit."""
+    fmt = get_format(format_name)
+    parts = [fmt.encode(torch.randn(n, k) * k**-0.5) for n in sizes]
+    planes = {
+        name: torch.cat([part.planes[name] for part in parts]).to(device)
+        for name in parts[0].planes
+    }
+    stacked = EncodedTensor(fmt.name, fmt.layout, (sum(sizes), k), planes)
+    assert torch.equal(stacked.decode().cpu(), torch.cat([part.decode() for part in parts]))
+    x = torch.randn(m, k, device=device).to(dtype)
+    outs = module.groupwise_linear(x, stacked).split(sizes, dim=-1)
+    for out, part in zip(outs, parts):
+        part.planes = {name: plane.to(device) for name, plane in part.planes.items()}
+        assert out.dtype == dtype and out.shape == (m, part.shape[0])
+        assert relative_error(out, module.groupwise_linear(x, part)) < tol

@@ -9,6 +9,7 @@ import torch
 
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
+from ninfer.kernels import gdn_gates as gates_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
@@ -139,6 +140,16 @@ def recurrent_gated_delta_rule(
     if use_triton(q, states):
         from ninfer.kernels import gdn_recurrent_triton as module
     return module.recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
+
+
+def gdn_gates(
+    b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g fp32, beta in b's dtype) of the GDN layer from its b and a projections [T, H]."""
+    module = gates_reference
+    if use_triton(b, a, A_log, dt_bias) and b.stride(-1) == 1 and a.stride(-1) == 1:
+        from ninfer.kernels import gdn_gates_triton as module
+    return module.gdn_gates(b, a, A_log, dt_bias)
 
 
 def causal_conv1d(

@@ -20,6 +20,8 @@ def _rms_norm_kernel(
     out_ptr,
     sum_out_ptr,
     stride_x,
+    stride_x_head,
+    heads,
     stride_residual,
     stride_out,
     stride_sum,
@@ -31,7 +33,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x_row = x_ptr + (row // heads) * stride_x + (row % heads) * stride_x_head
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         total = (x + residual.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
@@ -51,24 +54,33 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `rms_norm.rms_norm`; x may be a strided view (e.g. q heads inside q_proj)."""
+    """Same contract as `rms_norm.rms_norm`; x may be a strided view: [T, heads, dim] is read
+    with both of its strides (q or k heads inside the fused q/k/v product: no copy), other
+    shapes as rows of unit stride (copied where they are not)."""
     dim = x.shape[-1]
-    rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if x.dim() == 3 and x.stride(-1) == 1:
+        x_rows, heads, stride_x, stride_x_head = x, x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x_rows = _rows(x)
+        heads, stride_x, stride_x_head = 1, x_rows.stride(0), 0
+    num_rows = x.shape[:-1].numel()
+    out = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device)
     if residual is None:
-        residual_rows = total = rows  # unused by the kernel
+        residual_rows = total = out  # unused by the kernel
     else:
         residual_rows = _rows(residual)
-        total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+        total = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device)
+    if num_rows:
         block = next_power_of_2(dim)
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows,
+        _rms_norm_kernel[(num_rows,)](
+            x_rows,
             residual_rows,
             weight,
             out,
             total,
-            rows.stride(0),
+            stride_x,
+            stride_x_head,
+            heads,
             residual_rows.stride(0),
             out.stride(0),
             total.stride(0),
