@@ -6,6 +6,11 @@ Parameter names inside the module are the logical tensor names without their com
 (`layers.3.self_attn.q_proj.weight` is `text/layers.3.self_attn.q_proj.weight`; `mtp.fc.weight`
 is `mtp/fc.weight`), so loading is a walk over `named_parameters()`.
 
+After the weights are in place, `fuse_projections` runs the projections that read one input
+as one linear each (GDN qkv+z and b+a, attention q+k+v, MLP gate+up), so a decode step
+launches fewer, larger kernels; on the CPU reference path the outputs stay bit for bit the
+unfused ones (`FusedLinear`).
+
 Tensor parallelism: a `Shard` (ninfer/parallel/shard.py) given at load says which heads, rows
 and experts this rank holds; layers are built with the rank's local sizes, each decoder block
 sums its row-parallel output over the ranks once, and the default `Shard()` is one whole rank.
@@ -278,8 +283,13 @@ class Qwen3_5ForCausalLM(nn.Module):
             for name, _ in model.named_parameters()
         }
         model.load_state_dict(state, assign=True, strict=True)
+        del state
         for param in model.parameters():
             param.requires_grad_(False)
+        fuse_projections(model)
+        if torch.device(device).type == "cuda":
+            # the unfused weights' blocks stay cached, and the K/V pool is sized from free memory
+            torch.cuda.empty_cache()
         return model.eval()
 
     @property
@@ -338,6 +348,18 @@ def runs_quantized(device: torch.device, dtype: torch.dtype, shard: Shard) -> bo
     kernels in half precision, one rank); elsewhere they are dequantized at load, the exact
     reference path."""
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and shard.world == 1
+
+
+def fuse_projections(model: nn.Module) -> list[str]:
+    """Stack the projections of every layer that read one input into one linear each, where
+    their weights allow (both dense in one dtype, or both kept encoded in one format; this
+    rank's slices with tensor parallelism). Runs after loading: the weights load by their own
+    names. Returns the fused modules' names."""
+    fused = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (GatedDeltaNet, Attention, MLP)):
+            fused += [f"{name}.{child}" for child in module.fuse_projections()]
+    return fused
 
 
 def logical_name(param_name: str) -> str:

@@ -1,11 +1,13 @@
 """Gated full attention: q_proj packs per head [query | gate]; q/k RMSNorm before partial
-M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj."""
+M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj. After loading,
+`fuse_projections` runs q_proj, k_proj and v_proj as one linear (the names load the weights)."""
 
 import torch
 from torch import nn
 
 from ninfer.kernels.dispatch import paged_attention_decode, paged_attention_prefill, write_kv
 from ninfer.models.context import ForwardContext
+from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
 
@@ -31,6 +33,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self.qkv_proj: FusedLinear | None = None
+
+    def fuse_projections(self) -> list[str]:
+        """Stack q_proj, k_proj and v_proj where their weights allow (`fuse_into`); returns
+        the fused modules' names."""
+        return ["qkv_proj"] if fuse_into(self, "qkv_proj", ("q_proj", "k_proj", "v_proj")) else []
 
     def forward(
         self,
@@ -41,9 +49,14 @@ class Attention(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        query, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
-        key = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is None:
+            query_gate, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            query_gate, key, value = self.qkv_proj(x)
+        query_gate = query_gate.view(tokens, self.num_heads, 2 * self.head_dim)
+        query, gate = query_gate.chunk(2, -1)
+        key = key.view(tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(tokens, self.num_kv_heads, self.head_dim)
         query = rotary.apply(self.q_norm(query), cos, sin)
         key = rotary.apply(self.k_norm(key), cos, sin)
 

@@ -1,17 +1,19 @@
 """Gated DeltaNet mixer: projections, causal conv (window carried in a state slot) + SiLU,
 gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for decode),
-gated RMSNorm with silu(z), out_proj."""
+gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
+in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ninfer.kernels.dispatch import (
     causal_conv1d,
     chunk_gated_delta_rule,
+    gdn_gates,
     recurrent_gated_delta_rule,
 )
 from ninfer.models.context import ForwardContext
+from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import GatedRMSNorm
 
 
@@ -47,11 +49,30 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_value_heads), requires_grad=False)
         self.norm = GatedRMSNorm(value_head_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.in_proj_qkvz: FusedLinear | None = None
+        self.in_proj_ba: FusedLinear | None = None
+
+    def fuse_projections(self) -> list[str]:
+        """Stack in_proj_qkv with in_proj_z and in_proj_b with in_proj_a where their weights
+        allow (`fuse_into`); returns the fused modules' names."""
+        pairs = {
+            "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+            "in_proj_ba": ("in_proj_b", "in_proj_a"),
+        }
+        return [name for name, parts in pairs.items() if fuse_into(self, name, parts)]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
+        if self.in_proj_qkvz is None:
+            mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        else:
+            mixed_qkv, z = self.in_proj_qkvz(x)
+        if self.in_proj_ba is None:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        else:
+            b, a = self.in_proj_ba(x)
         mixed = causal_conv1d(
-            self.in_proj_qkv(x),
+            mixed_qkv,
             self.conv1d.weight[:, 0],
             ctx.cache.conv_window[self.cache_index],
             ctx.state_slots,
@@ -61,8 +82,7 @@ class GatedDeltaNet(nn.Module):
         query = query.view(tokens, self.num_key_heads, self.key_head_dim)
         key = key.view(tokens, self.num_key_heads, self.key_head_dim)
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g, beta = gdn_gates(b, a, self.A_log, self.dt_bias)
 
         rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
         out = rule(
@@ -75,6 +95,6 @@ class GatedDeltaNet(nn.Module):
             ctx.state_slots,
             ctx.query_start,
         )
-        z = self.in_proj_z(x).view(tokens, self.num_value_heads, self.value_head_dim)
+        z = z.view(tokens, self.num_value_heads, self.value_head_dim)
         out = self.norm(out, z).reshape(tokens, self.value_dim)
         return self.out_proj(out)

@@ -6,9 +6,16 @@ into one transient buffer and run a dense matmul, which is compute-bound anyway.
 
 `quantize_linears` swaps the `nn.Linear`s of a model built on the meta device for these where
 the weight source stores a supported format. It is used on CUDA in half precision only: the
-CPU path keeps every weight dequantized at load, so it stays the exact reference."""
+CPU path keeps every weight dequantized at load, so it stays the exact reference.
+
+`fuse_linears` stacks the weight rows of linears that read one input into one `FusedLinear`
+after loading, so a decode step launches one GEMV where it launched several (row_groups_v1
+stores every row on its own, so stacked planes are a valid encoded tensor; a row's dot product
+is the same in the stacked matrix)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -92,3 +99,81 @@ def quantize_linears(model: nn.Module, source, device: torch.device, to_logical)
         setattr(model.get_submodule(parent_name), child, layer)
         replaced.append(name)
     return replaced
+
+
+class FusedLinear(nn.Module):
+    """Linears over one input run as one: `linear` holds their weight rows stacked in order,
+    `forward` returns each one's output. On the GPU that is one product, split into views,
+    except where encoded weights take more rows than the GEMV: those are dequantized one part
+    at a time, so the transient dense weight of prefill is no larger than unfused. On the CPU,
+    the reference path, each part is its own product over its rows of the stacked weight: MKL
+    picks its kernel by the product's shape, so a stacked product can round differently (it
+    does at a few rows per part), and the reference stays bit for bit what it was unfused."""
+
+    def __init__(self, linear: nn.Module, out_features: Sequence[int]) -> None:
+        super().__init__()
+        if sum(out_features) != linear.out_features:
+            raise ValueError(f"parts {tuple(out_features)} do not add up to {linear.out_features}")
+        self.linear = linear
+        self.split_sizes = tuple(out_features)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        encoded = isinstance(self.linear, GroupwiseLinear)
+        if x.device.type != "cpu" and not (encoded and x.shape[0] > GEMV_MAX_ROWS):
+            return self.linear(x).split(self.split_sizes, dim=-1)
+        outputs, start = [], 0
+        for rows in self.split_sizes:
+            if encoded:
+                whole = self.linear.encoded
+                planes = {name: p[start : start + rows] for name, p in whole.planes.items()}
+                part = EncodedTensor(whole.format, whole.layout, (rows, whole.shape[1]), planes)
+                outputs.append(encoded_linear(x, part))
+            else:
+                outputs.append(F.linear(x, self.linear.weight[start : start + rows]))
+            start += rows
+        return tuple(outputs)
+
+    def extra_repr(self) -> str:
+        return f"split_sizes={self.split_sizes}"
+
+
+def fuse_linears(linears: Sequence[nn.Module]) -> FusedLinear | None:
+    """One `FusedLinear` computing the outputs of `linears` (bias-free, one input width), or
+    None where their weights cannot be stacked: dense and encoded mixed, different dtypes,
+    devices or formats."""
+    first = linears[0]
+    if not all(linear.in_features == first.in_features for linear in linears):
+        return None
+    sizes = [linear.out_features for linear in linears]
+    if all(type(linear) is nn.Linear and linear.bias is None for linear in linears):
+        weights = [linear.weight for linear in linears]
+        if len({(w.dtype, w.device) for w in weights}) != 1:
+            return None
+        with torch.device("meta"):
+            stacked = nn.Linear(first.in_features, sum(sizes), bias=False)
+        stacked.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+        return FusedLinear(stacked, sizes)
+    if all(isinstance(linear, GroupwiseLinear) for linear in linears):
+        stored = {(linear.format, linear.layout, linear.plane_names) for linear in linears}
+        if len(stored) != 1:
+            return None
+        fmt, layout, plane_names = stored.pop()
+        planes = {
+            name: torch.cat([getattr(linear, name) for linear in linears]) for name in plane_names
+        }
+        shape = (sum(sizes), first.in_features)
+        return FusedLinear(GroupwiseLinear(EncodedTensor(fmt, layout, shape, planes)), sizes)
+    return None
+
+
+def fuse_into(parent: nn.Module, fused_name: str, names: Sequence[str]) -> bool:
+    """Replace `parent`'s linears `names` by `parent.<fused_name>`, a `FusedLinear` returning
+    their outputs in that order, where `fuse_linears` can; the originals are dropped, so their
+    weights are freed. Returns whether it fused."""
+    fused = fuse_linears([getattr(parent, name) for name in names])
+    if fused is None:
+        return False
+    for name in names:
+        delattr(parent, name)
+    setattr(parent, fused_name, fused)
+    return True

@@ -1,9 +1,11 @@
-"""SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+"""SwiGLU MLP: down(silu(gate(x)) * up(x)). After loading, `fuse_projections` runs gate_proj
+and up_proj as one linear (the names load the weights)."""
 
 import torch
 from torch import nn
 
 from ninfer.kernels.dispatch import silu_mul
+from ninfer.models.layers.linear import FusedLinear, fuse_into
 
 
 class MLP(nn.Module):
@@ -12,6 +14,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: FusedLinear | None = None
+
+    def fuse_projections(self) -> list[str]:
+        """Stack gate_proj and up_proj where their weights allow (`fuse_into`); returns the
+        fused modules' names."""
+        return ["gate_up_proj"] if fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj")) else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x)
+        return self.down_proj(silu_mul(gate, up))
