@@ -133,8 +133,13 @@ def test_quantized_model_keeps_linears_encoded_and_graphs_agree(tiny_artifact):
 def test_quantized_model_logits_close_to_the_dequantized_model(tiny_artifact):
     """The same q4 artifact: encoded linears in bf16 on the GPU vs dequantized fp32 on the CPU."""
     _, path = tiny_artifact(weights="groupwise-int", layers=4, hidden=128)
+    assert_top_logprob_close_to_cpu_fp32(path, list(range(20, 60)))
+
+
+def assert_top_logprob_close_to_cpu_fp32(path, prompt: list[int]) -> None:
+    """The CPU fp32 run's most likely next token is among the GPU bf16 run's top 5, with a
+    log-probability within 0.1."""
     params = SamplingParams.greedy(max_tokens=1, ignore_eos=True, logprobs=5)
-    prompt = list(range(20, 60))
 
     def top(device, dtype):
         with ninfer.Engine(path, device=device, dtype=dtype, max_context=256) as engine:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import check_grouped_groupwise_linear, relative_error
-from test_graphs_gpu import mixed_requests, tokens
+from test_graphs_gpu import assert_top_logprob_close_to_cpu_fp32, mixed_requests, tokens
 
-import ninfer
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import load_core
-from ninfer.engine.request import SamplingParams
 from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
 from ninfer.quant import get_format
 
@@ -133,14 +131,4 @@ def test_quantized_moe_model_logits_close_to_the_dequantized_model(tiny_artifact
     """The same q4 MoE artifact: encoded experts and linears in bf16 on the GPU vs everything
     dequantized in fp32 on the CPU."""
     _, path = tiny_artifact(weights="groupwise-int", moe=True, hidden=128)
-    params = SamplingParams.greedy(max_tokens=1, ignore_eos=True, logprobs=5)
-    prompt = list(range(20, 100))
-
-    def top(device, dtype):
-        with ninfer.Engine(path, device=device, dtype=dtype, max_context=256) as engine:
-            return dict(engine.generate(prompt, params).logprobs[0].top)
-
-    ref, ours = top("cpu", "float32"), top("cuda", "bfloat16")
-    best = max(ref, key=ref.get)
-    assert best in ours
-    assert abs(ours[best] - ref[best]) < 0.1
+    assert_top_logprob_close_to_cpu_fp32(path, list(range(20, 100)))

@@ -1,43 +1,25 @@
 """The kernels behind the fused decode projections, run by Triton's CPU interpreter on tiny
 shapes: the GDN gates kernel against its torch reference, the GEMV over encoded weights
 stacked by rows against the GEMV over each, and the norm reading q/k heads in place inside the
-fused q/k/v product. The set-up rules of tests/kernels/test_triton_interpreted.py apply
-(TRITON_INTERPRET=1 before Triton is imported; a GPU present means tests/gpu covers the
-compiled kernels); the interpreter rounds to bf16 by truncation, so half precision is fp16."""
+fused q/k/v product. Half precision is fp16 (tests/triton_interpreter.py says why)."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 from kernel_cases import check_fused_groupwise_linear, check_gdn_gates, relative_error
+from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import gdn_gates as gates_reference
 from ninfer.kernels import rms_norm as norm_reference
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "Triton was imported before interpretation could be switched on", allow_module_level=True
-    )
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+require_interpreter()
 
 
 @pytest.fixture
 def interpreted():
-    def load(name: str):
-        spec = importlib.util.find_spec(f"ninfer.kernels.{name}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
     torch.manual_seed(0)
-    return load
+    return load_kernel_module
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 37])

@@ -1,40 +1,25 @@
 """The grouped group-wise GEMV of MoE decode (`groupwise_gemv_triton.grouped_groupwise_linear`)
 run by Triton's CPU interpreter on tiny shapes, against its torch reference and inside
-`GroupwiseExperts`. In fp16: the interpreter rounds to bf16 by truncation. The set-up rules of
-tests/kernels/test_triton_interpreted.py apply (TRITON_INTERPRET=1 before Triton is imported;
-a GPU present means tests/gpu covers the compiled kernel)."""
+`GroupwiseExperts`, in fp16 (tests/triton_interpreter.py says why)."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 from kernel_cases import check_grouped_groupwise_linear, relative_error
+from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.models.layers import moe
 from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
 from ninfer.quant import get_format
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "Triton was imported before interpretation could be switched on", allow_module_level=True
-    )
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+require_interpreter()
 
 
 @pytest.fixture
 def gemv_triton():
-    spec = importlib.util.find_spec("ninfer.kernels.groupwise_gemv_triton")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     torch.manual_seed(0)
-    return module
+    return load_kernel_module("groupwise_gemv_triton")
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,8 @@
 """The Triton kernels run by Triton's CPU interpreter on tiny shapes, against the torch
-references. TRITON_INTERPRET=1 must be set before Triton is first imported (its own library
-functions are kernels too), so this module sets it on a machine without CUDA and skips where
-Triton was imported earlier or a GPU is present (tests/gpu covers that). The interpreter's tl.dot is wrong for bf16 operands (seen with triton 3.9),
-so the kernels built on tl.dot are run here in fp16, and it rounds to bf16 by truncation, so the
-norm, whose residual sum must match exactly, and the dequantization too; the GPU tests cover bf16."""
+references (tests/triton_interpreter.py says when the interpreter runs and why half precision
+is fp16 here: the norm, whose residual sum must match exactly, and the dequantization too)."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
@@ -27,54 +20,18 @@ from kernel_cases import (
     check_silu_mul,
     query_start_of,
 )
+from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu runs the compiled kernels", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "Triton was imported before interpretation could be switched on", allow_module_level=True
-    )
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-
-
-@triton.jit
-def _canary(x_ptr, out_ptr, n):
-    total = tl.zeros([16], tl.float32)
-    for i in range(0, n):
-        total += tl.load(x_ptr + i * 16 + tl.arange(0, 16))
-    tl.store(out_ptr, tl.sum(total, axis=0))
-
-
-def _interpreter_works() -> str | None:
-    """Some Triton/numpy pairs break the interpreter itself (e.g. triton 3.6 with numpy 2.4)."""
-    x, out = torch.ones(3 * 16), torch.zeros(1)
-    try:
-        _canary[(1,)](x, out, 3)
-    except Exception as error:  # noqa: BLE001 - any failure means no interpreter here
-        return f"{type(error).__name__}: {error}"
-    return None if out.item() == 48.0 else f"canary kernel returned {out.item()}"
-
-
-_broken = _interpreter_works()
-if _broken:
-    pytest.skip(f"Triton's interpreter does not run here ({_broken})", allow_module_level=True)
+require_interpreter()
 
 
 @pytest.fixture
 def interpreted():
-    def load(name: str):
-        spec = importlib.util.find_spec(f"ninfer.kernels.{name}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
     torch.manual_seed(0)
-    return load
+    return load_kernel_module
 
 
 def test_paged_decode_attention_matches_reference(interpreted):
