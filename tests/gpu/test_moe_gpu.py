@@ -13,6 +13,7 @@ from test_graphs_gpu import assert_top_logprob_close_to_cpu_fp32, mixed_requests
 
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import load_core
+from ninfer.models.layers import moe
 from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
 from ninfer.quant import get_format
 
@@ -73,8 +74,9 @@ def route(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_encoded_experts_match_the_dequantized_experts(
     stored_experts, format_name, held, num_tokens
 ):
-    """Up to GATHERED_MAX_TOKENS the grouped GEMVs, beyond it the per-expert GEMV or
-    dequantized matmul; the bf16 dequantized experts are held to the same bound."""
+    """Up to GATHERED_MAX_TOKENS the grouped GEMVs, beyond it the grouped matrix products
+    over blocks of dequantized experts; the bf16 dequantized experts are held to the same
+    bound."""
     stored = stored_experts[format_name]
     encoded = GroupwiseExperts.from_stored(held, *stored, device="cuda")
     experts, weights = route(num_tokens, seed=num_tokens)
@@ -85,6 +87,14 @@ def test_encoded_experts_match_the_dequantized_experts(
     assert relative_error(ours, exact) < 1e-2
     dense = dense_experts(stored, held, BF16)(x.to(BF16), experts, weights.to(BF16))
     assert relative_error(dense, exact) < 1e-2
+
+
+def test_grouped_matmul_prefill_runs_on_this_gpu():
+    """The prefill path above is the grouped matrix product, not the per-expert fallback."""
+    assert moe.grouped_mm_runs_on(torch.device("cuda"))
+    assert moe.grouped_mm_supported(BF16, 2 * 512, 2048) and moe.grouped_mm_supported(
+        BF16, 2048, 512
+    )
 
 
 def test_encoded_decode_replays_from_a_cuda_graph(stored_experts):

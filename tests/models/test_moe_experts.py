@@ -15,6 +15,7 @@ from torch import nn
 
 from ninfer.artifact.artifact import Artifact
 from ninfer.models import qwen3_5
+from ninfer.models.layers import moe
 from ninfer.models.layers.linear import GroupwiseLinear
 from ninfer.models.layers.moe import (
     GATHERED_MAX_TOKENS,
@@ -94,6 +95,37 @@ def test_encoded_experts_in_bf16_stay_within_bf16_rounding(tokens):
     assert ours.dtype == torch.bfloat16
     assert rel_err(ours, reference) < 2e-2
     assert rel_err(ours, dense(x.bfloat16(), experts, weights.bfloat16())) < 2e-2
+
+
+@pytest.mark.skipif(
+    not moe.grouped_mm_runs_on(torch.device("cpu")), reason="torch._grouped_mm has no CPU kernel"
+)
+@pytest.mark.parametrize("block_bytes", [moe.GROUPED_MM_BYTES, 3 * 2 * WIDTH * HIDDEN * 2])
+@pytest.mark.parametrize("held", [range(NUM_EXPERTS), range(2, 5)], ids=["all", "ep-rank"])
+@pytest.mark.parametrize("tokens", [GATHERED_MAX_TOKENS + 1, 150])
+def test_grouped_matmul_prefill_computes_the_dequantized_experts(
+    monkeypatch, held, tokens, block_bytes
+):
+    """The prefill path CUDA takes in bf16 (pairs sorted by expert, one grouped product per
+    block of dequantized experts; here also blocks of 3 experts), run on the CPU: within bf16
+    rounding of the exact experts, and on a rank, zero for experts it does not hold."""
+    monkeypatch.setattr(moe, "GROUPED_MM_BYTES", block_bytes)
+    source = stored_source("q4_g64_fp16")
+    _, encoded = both_forms(source, held, torch.bfloat16)
+    exact, _ = both_forms(source, held)
+    experts, weights = route(tokens)
+    x = torch.randn(tokens, HIDDEN)
+    ours = encoded._forward_grouped_mm(x.bfloat16(), experts, weights.bfloat16())
+    assert ours.dtype == torch.bfloat16
+    assert rel_err(ours, exact(x, experts, weights)) < 2e-2
+    per_expert = encoded._forward_per_expert(x.bfloat16(), experts, weights.bfloat16())
+    assert rel_err(ours, per_expert) < 1e-2
+
+
+def test_grouped_matmul_prefill_takes_only_16_byte_rows_in_bf16():
+    assert moe.grouped_mm_supported(torch.bfloat16, 1024, 2048)
+    assert not moe.grouped_mm_supported(torch.float16, 1024, 2048)
+    assert not moe.grouped_mm_supported(torch.bfloat16, 1024, 2044)
 
 
 @pytest.mark.parametrize("tokens", [4, GATHERED_MAX_TOKENS + 1])

@@ -6,22 +6,29 @@ With expert parallelism a rank holds a contiguous block of the experts and adds 
 `Experts` holds dense weights (the CPU reference path). On CUDA in half precision, experts
 stored in a group-wise int format stay encoded (`GroupwiseExperts`, swapped in at load by
 `quantize_experts`): decode reads only the chosen experts' codes, which is where a MoE decode
-step's time goes."""
+step's time goes; prefill in bf16 sorts the (token, choice) pairs by expert and runs each
+projection as one grouped matrix product (`torch._grouped_mm`) per block of dequantized
+experts, where the per-expert loop would launch a dequantization and products per expert."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels.dispatch import grouped_groupwise_linear, silu_mul
+from ninfer.kernels.dispatch import grouped_groupwise_linear, groupwise_dequant, silu_mul
 from ninfer.models.layers.linear import GEMV_FORMATS, encoded_linear
 from ninfer.models.layers.mlp import MLP
 from ninfer.quant import EncodedTensor
 
 # Tokens up to this many take the gathered (graph-safe) expert path on the GPU.
 GATHERED_MAX_TOKENS = 64
+# Encoded experts over more tokens on CUDA in bf16: dequantized this many bytes of experts at a
+# time for one grouped matrix product over their tokens (bounds the transient dense weight).
+GROUPED_MM_BYTES = 256 << 20
 
 
 def _sorted_routes(
@@ -182,6 +189,14 @@ class GroupwiseExperts(RoutedExperts):
         dtype in expert id order, as `Experts` does."""
         if x.shape[0] <= GATHERED_MAX_TOKENS:
             return self._forward_grouped(x, experts, weights)
+        if (
+            x.is_cuda
+            and all(
+                grouped_mm_supported(x.dtype, *shape[1:]) for _, _, shape in self.stored_as.values()
+            )
+            and grouped_mm_runs_on(x.device)
+        ):
+            return self._forward_grouped_mm(x, experts, weights)
         return self._forward_per_expert(x, experts, weights)
 
     def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
@@ -206,8 +221,84 @@ class GroupwiseExperts(RoutedExperts):
             out = out + y[:, choice]
         return out
 
+    def _forward_grouped_mm(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill-sized batches: the (token, choice) pairs sorted by expert, each projection
+        one grouped matrix product per block of dequantized experts (`torch._grouped_mm`)
+        instead of two products and a dequantization per expert present; the choices are then
+        added per token in expert id order, as on the other paths. One host sync (the block
+        boundaries)."""
+        local, weights, held = _sorted_routes(experts, weights, self.first, self.num_experts)
+        tokens, top_k = local.shape
+        # pairs of experts this rank does not hold sort last, past every block
+        key = torch.where(held, local, self.num_experts).reshape(-1)
+        order = torch.argsort(key, stable=True)
+        ends = torch.bincount(key, minlength=self.num_experts + 1)[:-1].cumsum(0)
+        ends_on_host = [0] + ends.tolist()
+        ends = ends.to(torch.int32)
+        gate_up = self._grouped_product(x[order // top_k], "gate_up_proj", ends, ends_on_host)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y_sorted = self._grouped_product(silu_mul(gate, up), "down_proj", ends, ends_on_host)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        y = y.view(tokens, top_k, -1) * weights[:, :, None]
+        y = torch.where(held[:, :, None], y, torch.zeros_like(y))  # other ranks' experts
+        out = y[:, 0]
+        for choice in range(1, top_k):
+            out = out + y[:, choice]
+        return out
+
+    def _grouped_product(
+        self, rows: torch.Tensor, proj: str, ends: torch.Tensor, ends_on_host: list[int]
+    ) -> torch.Tensor:
+        """rows [P, K] sorted by expert (expert e's rows end at ends[e]) times each expert's
+        `proj` weight: [P, N]. Rows past the last held expert's are left unset."""
+        stacked = self._encoded(proj)
+        count, n, k = stacked.shape
+        out = torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
+        block = max(1, GROUPED_MM_BYTES // (n * k * rows.element_size()))
+        for first in range(0, count, block):
+            last = min(first + block, count)
+            start, stop = ends_on_host[first], ends_on_host[last]
+            if stop == start:
+                continue
+            planes = {
+                name: p[first:last].reshape((last - first) * n, -1)
+                for name, p in stacked.planes.items()
+            }
+            dense = groupwise_dequant(
+                EncodedTensor(stacked.format, stacked.layout, ((last - first) * n, k), planes),
+                rows.dtype,
+            ).view(last - first, n, k)
+            out[start:stop] = torch._grouped_mm(
+                rows[start:stop], dense.transpose(1, 2), offs=ends[first:last] - start
+            )
+        return out
+
     def extra_repr(self) -> str:
         return f"experts={self.first}..{self.first + self.num_experts - 1}, format={self.format}"
+
+
+def grouped_mm_supported(dtype: torch.dtype, rows: int, k: int) -> bool:
+    """Whether `torch._grouped_mm` takes these products: bf16 with both widths a multiple of
+    8 (16-byte rows) in a torch that has it."""
+    return hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and rows % 8 == 0 == k % 8
+
+
+@functools.cache
+def grouped_mm_runs_on(device: torch.device) -> bool:
+    """One tiny grouped product on `device`, once: builds of torch without the kernel for this
+    GPU raise, and the per-expert loop then serves instead."""
+    x = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+    w = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=device)
+    try:
+        out = torch._grouped_mm(
+            x, w.transpose(1, 2), offs=torch.tensor([8, 16], dtype=torch.int32, device=device)
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((out == 16).all())
 
 
 def quantize_experts(model: nn.Module, source, device: torch.device, to_logical) -> list[str]:
