@@ -19,6 +19,7 @@ from ninfer.bench.ceilings import copy_bandwidth, matmul_rate
 from ninfer.bench.profile import format_profile, profile_case
 from ninfer.bench.shapes import SHAPES
 from ninfer.bench.traffic import Traffic, artifact_formats, profile_formats
+from ninfer.engine.config import IDLE_CHUNK_FACTOR
 from ninfer.errors import ConfigError
 
 
@@ -33,7 +34,7 @@ class BenchOptions:
     repetitions: int = 3
     warmup: int = 1
     prefill_chunk: int = 1024
-    idle_prefill_chunk: int = 4096
+    idle_prefill_chunk: int | None = None  # None: 4 x prefill_chunk
     peers: list[str] = field(default_factory=list)
     seed: int = 0
     cuda_graph: bool = True
@@ -185,7 +186,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             "repetitions": options.repetitions,
             "warmup": options.warmup,
             "prefill_chunk": options.prefill_chunk,
-            "idle_prefill_chunk": options.idle_prefill_chunk,
+            "idle_prefill_chunk": options.idle_prefill_chunk
+            or IDLE_CHUNK_FACTOR * options.prefill_chunk,
             "seed": options.seed,
         },
         "rows": [  # ninfer's rows come first, one per case, in the order of the profiles

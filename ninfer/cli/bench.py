@@ -60,7 +60,7 @@ class BenchSettings:
     warmup: int = 1
     concurrency: list[int] = field(default_factory=lambda: [1])
     prefill_chunk: int = 1024
-    idle_prefill_chunk: int = 4096
+    idle_prefill_chunk: int | None = None  # None: 4 x prefill_chunk
     device: str | None = None
     dtype: str | None = None
     peer: list[str] = field(default_factory=list)
@@ -151,13 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         metavar="N",
         type=int,
-        help="prompt tokens per step (default 1024)",
+        help="prompt tokens per step while some request decodes (default 1024)",
     )
     parser.add_argument(
         "--idle-prefill-chunk",
         metavar="N",
         type=int,
-        help="prompt tokens per step while nothing decodes (default 4096)",
+        help="prompt tokens per step while nothing decodes (default 4 x --prefill-chunk)",
     )
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument(

@@ -30,7 +30,7 @@ class RunSettings:
     max_context: int = 2048
     kv_capacity: str | None = None  # tokens or "auto"; default: max_context
     prefill_chunk: int = 1024
-    idle_prefill_chunk: int = 4096
+    idle_prefill_chunk: int | None = None  # None: 4 x prefill_chunk
     max_tokens: int = 128
     device: str | None = None
     dtype: str | None = None
@@ -91,13 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         metavar="N",
-        help=f"prompt tokens per step (default {d.prefill_chunk})",
+        help=f"prompt tokens per step while some request decodes (default {d.prefill_chunk})",
     )
     context.add_argument(
         "--idle-prefill-chunk",
         type=int,
         metavar="N",
-        help=f"prompt tokens per step while nothing decodes (default {d.idle_prefill_chunk})",
+        help="prompt tokens per step while nothing decodes (default 4 x --prefill-chunk)",
     )
     context.add_argument(
         "--max-tokens",

@@ -49,12 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "attention K/V tokens shared by all requests, or auto (default auto)",
         "N|auto",
     )
-    _flag(model, "--prefill-chunk", int, f"prompt tokens per step (default {d.prefill_chunk})", "N")
+    _flag(
+        model,
+        "--prefill-chunk",
+        int,
+        f"prompt tokens per step while some request decodes (default {d.prefill_chunk})",
+        "N",
+    )
     _flag(
         model,
         "--idle-prefill-chunk",
         int,
-        f"prompt tokens per step while nothing decodes (default {d.idle_prefill_chunk})",
+        "prompt tokens per step while nothing decodes (default 4 x --prefill-chunk)",
         "N",
     )
     _flag(

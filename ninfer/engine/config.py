@@ -10,6 +10,10 @@ from ninfer.errors import ConfigError
 MAX_CONCURRENCY = 64
 
 
+# `idle_prefill_chunk` by default: this many times `prefill_chunk`
+IDLE_CHUNK_FACTOR = 4
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Startup settings of an `Engine`.
@@ -22,8 +26,9 @@ class EngineConfig:
     every lane at `max_context`). `prefill_chunk`: prompt tokens processed per step while some
     request is decoding (prefill chunks and decode rounds alternate, so this bounds the pause a
     prefill puts into running streams). `idle_prefill_chunk`: prompt tokens per step when no
-    request is decoding, so a lone long prompt runs in fewer, larger steps (None, or anything
-    below `prefill_chunk`, means `prefill_chunk`).
+    request is decoding, so a lone long prompt runs in fewer, larger steps (None: 4 x
+    `prefill_chunk`, so a smaller `prefill_chunk` given to bound activation memory also bounds
+    this; anything below `prefill_chunk` means `prefill_chunk`).
     `default_max_tokens`: output limit of a request that sets none (None: up to `max_context`).
     `kv_headroom_bytes`: GPU memory an `auto` K/V pool leaves free.
     `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU. `tensor_parallel`: ranks
@@ -39,7 +44,7 @@ class EngineConfig:
     pending_timeout: float | None = None
     kv_capacity: int | Literal["auto"] = "auto"
     prefill_chunk: int = 1024
-    idle_prefill_chunk: int | None = 4096
+    idle_prefill_chunk: int | None = None
     default_max_tokens: int | None = None
     dtype: str | None = None
     device: str | None = None
@@ -63,6 +68,13 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk = {self.prefill_chunk} must be >= 1")
         if self.idle_prefill_chunk is not None and self.idle_prefill_chunk < 1:
             raise ConfigError(f"idle_prefill_chunk = {self.idle_prefill_chunk} must be >= 1")
+
+    @property
+    def idle_chunk(self) -> int:
+        """The prompt tokens a step takes while no request decodes (`idle_prefill_chunk`)."""
+        if self.idle_prefill_chunk is None:
+            return IDLE_CHUNK_FACTOR * self.prefill_chunk
+        return max(self.prefill_chunk, self.idle_prefill_chunk)
         if self.kv_capacity != "auto":
             if not isinstance(self.kv_capacity, int) or self.kv_capacity < 1:
                 raise ConfigError(f"kv_capacity = {self.kv_capacity!r} must be tokens or 'auto'")

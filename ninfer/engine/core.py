@@ -55,7 +55,7 @@ class EngineCore:
             cache,
             max_concurrency=config.max_concurrency,
             prefill_chunk=config.prefill_chunk,
-            idle_prefill_chunk=config.idle_prefill_chunk,
+            idle_prefill_chunk=config.idle_chunk,
         )
         self.sequences: dict[str, Sequence] = {}
 

@@ -23,7 +23,7 @@ class ServeSettings:
     max_context: int = 8192
     kv_capacity: int | str = "auto"
     prefill_chunk: int = 1024
-    idle_prefill_chunk: int = 4096
+    idle_prefill_chunk: int | None = None  # None: 4 x prefill_chunk
     max_concurrency: int = 8
     max_pending_requests: int = 16
     pending_timeout_ms: int = 30000

@@ -37,7 +37,7 @@ def make_core(artifact_path):
         fields.setdefault("device", "cpu")
         fields.setdefault("dtype", "float32")
         # chunk tests ask for small chunks: keep them when nothing decodes too
-        fields.setdefault("idle_prefill_chunk", None)
+        fields.setdefault("idle_prefill_chunk", fields.get("prefill_chunk", 1))
         return load_core(artifact_path, EngineConfig(**fields))
 
     return build

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import Completion
 from ninfer.engine.request import GenerationRequest, SamplingParams, TokenEvent
 from ninfer.engine.sequence import Status
@@ -113,6 +114,15 @@ def test_idle_prefill_chunk_applies_only_while_nothing_decodes(make_core):
     assert steps == {0, 16, 100 - 6 * 16}  # "a" decodes: ordinary chunks between its rounds
     run_to_end(core)
     assert len(recorder.completions["b"].token_ids) == 12
+
+
+def test_idle_prefill_chunk_follows_a_smaller_prefill_chunk_unless_set():
+    """Left unset it is 4 x prefill_chunk, so a prefill_chunk lowered to bound activation
+    memory bounds the idle steps too; set, it is never below prefill_chunk."""
+    assert EngineConfig().idle_chunk == 4096
+    assert EngineConfig(prefill_chunk=256).idle_chunk == 1024
+    assert EngineConfig(prefill_chunk=256, idle_prefill_chunk=8192).idle_chunk == 8192
+    assert EngineConfig(prefill_chunk=256, idle_prefill_chunk=16).idle_chunk == 256
 
 
 def test_abort_mid_prefill_frees_pages_and_slot(make_core):
