@@ -85,11 +85,14 @@ def random_model(
 
 
 def executed_formats(model: torch.nn.Module) -> str:
-    """How the model's linears execute: the dense dtype, plus the formats kept encoded."""
+    """How the model's linears and experts execute: the dense dtype, plus the formats kept
+    encoded."""
     from ninfer.models.layers.linear import GroupwiseLinear
+    from ninfer.models.layers.moe import GroupwiseExperts
 
     dense = str(next(model.parameters()).dtype).removeprefix("torch.")
-    encoded = sorted({m.format for m in model.modules() if isinstance(m, GroupwiseLinear)})
+    kept = (GroupwiseLinear, GroupwiseExperts)
+    encoded = sorted({m.format for m in model.modules() if isinstance(m, kept)})
     return "+".join([dense, *encoded])
 
 

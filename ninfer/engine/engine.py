@@ -532,8 +532,13 @@ def build_core(
     device, dtype = model.device, model.dtype
     graphs = uses_cuda_graphs(config, model)
     if num_pages is None:
+        from ninfer.models.layers.moe import GroupwiseExperts
+
+        encoded = any(isinstance(m, GroupwiseExperts) for m in model.modules())
         reserve = (
-            graph_memory_bytes(model.config, config.max_concurrency, config.max_context)
+            graph_memory_bytes(
+                model.config, config.max_concurrency, config.max_context, encoded_experts=encoded
+            )
             if graphs
             else 0
         )

@@ -128,9 +128,13 @@ def fill_decode_rows(
     table[num_seqs:rows, 0] = scratch_page
 
 
-def graph_memory_bytes(config, max_concurrency: int, max_context: int) -> int:
+def graph_memory_bytes(
+    config, max_concurrency: int, max_context: int, encoded_experts: bool = False
+) -> int:
     """What the captured graphs may keep in their memory pool: the largest decode forward's
-    activations, logits and kernel workspaces (a bound, counted before the K/V pool is sized)."""
+    activations, logits and kernel workspaces (a bound, counted before the K/V pool is sized).
+    Dense MoE experts gather each token's expert weights; encoded ones only hold the
+    (token, choice) pairs' activations."""
     rows = max_concurrency
     widest = max(
         config.hidden_size * 4,  # q_proj packs query and gate
@@ -144,7 +148,10 @@ def graph_memory_bytes(config, max_concurrency: int, max_context: int) -> int:
     max_pages = math.ceil(max_context / PAGE_SIZE)
     attention = rows * config.num_heads * max_pages * (config.head_dim + 2) * 4
     experts = 0
-    if config.is_moe:
+    if config.is_moe and encoded_experts:
+        pairs = rows * config.num_experts_per_tok
+        experts = pairs * (3 * config.moe_intermediate_size + 2 * config.hidden_size) * 2 * 2
+    elif config.is_moe:
         experts = rows * 3 * config.moe_intermediate_size * config.hidden_size * 2 * 2
     return (256 << 20) + activations + logits + attention + experts
 

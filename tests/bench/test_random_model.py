@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ninfer.bench.shapes import SHAPES
-from ninfer.bench.targets import random_model
+from ninfer.bench.targets import executed_formats, random_model
 from ninfer.bench.traffic import profile_formats
 from ninfer.models import qwen3_5
 from ninfer.models.layers.linear import GroupwiseLinear
@@ -28,6 +28,19 @@ def test_random_moe_model_keeps_its_experts_encoded(monkeypatch, weights, expect
     assert experts[0].down_proj_scales.shape[:2] == (8, 64)  # [E, H, groups]
     assert any(isinstance(m, GroupwiseLinear) for m in model.modules())
     assert not any(isinstance(m, Experts) for m in model.modules())
+    assert executed_formats(model) == f"float32+{expected}"
+
+
+def test_executed_formats_names_encoded_experts_without_encoded_linears(monkeypatch):
+    monkeypatch.setattr(qwen3_5, "runs_quantized", lambda *args: True)
+    config = SHAPES["tiny-moe"]
+    q4 = profile_formats(config, "q4")
+
+    def experts_only(name, shape):
+        return q4(name, shape) if "experts" in name else "bf16"
+
+    model = random_model(config, torch.device("cpu"), torch.float32, format_of=experts_only)
+    assert executed_formats(model) == "float32+q4_g64_fp16"
 
 
 def test_random_model_without_a_profile_keeps_experts_dense():

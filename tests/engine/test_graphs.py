@@ -14,6 +14,7 @@ from ninfer.engine.graphs import (
     DecodeGraphs,
     capture_sizes,
     fill_decode_rows,
+    graph_memory_bytes,
     graph_size,
 )
 from ninfer.engine.kv_pool import PAGE_SIZE, ModelCache
@@ -182,3 +183,16 @@ def test_a_prefill_step_has_no_graph(make_core):
     prefill.query_lens = [3]
     assert graphs.size_for(prefill) is None
     assert graphs.size_for(decode_inputs([(0, [1], 0, 1)] * 3)) is None
+
+
+def test_graph_memory_counts_gathered_expert_weights_only_for_dense_experts():
+    """Dense experts gather each token's expert weights inside the decode graph; encoded ones
+    only hold the (token, choice) pairs' activations, so the pool keeps more K/V pages."""
+    from ninfer.bench.shapes import SHAPES
+    from ninfer.models.qwen3_5 import Qwen3_5Config
+
+    config = Qwen3_5Config.from_hf(SHAPES["qwen3_5-35b-a3b"], is_moe=True)
+    dense = graph_memory_bytes(config, 64, 4096)
+    encoded = graph_memory_bytes(config, 64, 4096, encoded_experts=True)
+    gathered = 64 * 3 * config.moe_intermediate_size * config.hidden_size * 4
+    assert dense - encoded > gathered * 0.9

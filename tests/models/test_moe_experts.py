@@ -29,7 +29,7 @@ from ninfer.models.weights import StateDictSource
 from ninfer.quant import get_format
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 128, 96, 8, 3  # WIDTH pads down_proj's K to the group
-TOKEN_COUNTS = [1, 5, GATHERED_MAX_TOKENS, GATHERED_MAX_TOKENS + 1, 150]
+TOKEN_COUNTS = [0, 1, 5, GATHERED_MAX_TOKENS, GATHERED_MAX_TOKENS + 1, 150]
 
 
 def stored_source(gate_up_format: str, down_format: str | None = None) -> StateDictSource:

@@ -213,13 +213,7 @@ class GroupwiseExperts(RoutedExperts):
         gate_up = grouped_groupwise_linear(x, self.gate_up_proj, rows // top_k, pairs)
         gate, up = gate_up.chunk(2, dim=-1)
         y = grouped_groupwise_linear(silu_mul(gate, up), self.down_proj, rows, pairs)
-        y = y.view(tokens, top_k, -1) * weights[:, :, None]
-        y = torch.where(held[:, :, None], y, torch.zeros_like(y))  # other ranks' experts
-        # added one choice at a time in the model dtype, as `Experts` adds them
-        out = y[:, 0]
-        for choice in range(1, top_k):
-            out = out + y[:, choice]
-        return out
+        return _weighted_choices(y.view(tokens, top_k, y.shape[-1]), weights, held)
 
     def _forward_grouped_mm(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -237,17 +231,20 @@ class GroupwiseExperts(RoutedExperts):
         ends = torch.bincount(key, minlength=self.num_experts + 1)[:-1].cumsum(0)
         ends_on_host = [0] + ends.tolist()
         ends = ends.to(torch.int32)
-        gate_up = self._grouped_product(x[order // top_k], "gate_up_proj", ends, ends_on_host)
+        # every [pairs, width] temporary is dropped as soon as it is used: at a 4096-token
+        # chunk of 35B-A3B each is 64-128 MiB
+        x_sorted = x[order // top_k]
+        gate_up = self._grouped_product(x_sorted, "gate_up_proj", ends, ends_on_host)
+        del x_sorted
         gate, up = gate_up.chunk(2, dim=-1)
-        y_sorted = self._grouped_product(silu_mul(gate, up), "down_proj", ends, ends_on_host)
+        hidden = silu_mul(gate, up)
+        del gate_up, gate, up
+        y_sorted = self._grouped_product(hidden, "down_proj", ends, ends_on_host)
+        del hidden
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
-        y = y.view(tokens, top_k, -1) * weights[:, :, None]
-        y = torch.where(held[:, :, None], y, torch.zeros_like(y))  # other ranks' experts
-        out = y[:, 0]
-        for choice in range(1, top_k):
-            out = out + y[:, choice]
-        return out
+        del y_sorted
+        return _weighted_choices(y.view(tokens, top_k, y.shape[-1]), weights, held)
 
     def _grouped_product(
         self, rows: torch.Tensor, proj: str, ends: torch.Tensor, ends_on_host: list[int]
@@ -256,8 +253,9 @@ class GroupwiseExperts(RoutedExperts):
         `proj` weight: [P, N]. Rows past the last held expert's are left unset."""
         stacked = self._encoded(proj)
         count, n, k = stacked.shape
-        out = torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
         block = max(1, GROUPED_MM_BYTES // (n * k * rows.element_size()))
+        whole = block >= count and ends_on_host[count] == rows.shape[0] > 0
+        out = None if whole else torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
         for first in range(0, count, block):
             last = min(first + block, count)
             start, stop = ends_on_host[first], ends_on_host[last]
@@ -271,13 +269,27 @@ class GroupwiseExperts(RoutedExperts):
                 EncodedTensor(stacked.format, stacked.layout, ((last - first) * n, k), planes),
                 rows.dtype,
             ).view(last - first, n, k)
-            out[start:stop] = torch._grouped_mm(
+            product = torch._grouped_mm(
                 rows[start:stop], dense.transpose(1, 2), offs=ends[first:last] - start
             )
+            if whole:
+                return product  # one block over every row: no copy
+            out[start:stop] = product
         return out
 
     def extra_repr(self) -> str:
         return f"experts={self.first}..{self.first + self.num_experts - 1}, format={self.format}"
+
+
+def _weighted_choices(y: torch.Tensor, weights: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """y [T, k, H], each token's choices in expert id order -> [T, H]: weighted, zero for other
+    ranks' experts, added one choice at a time in the model dtype, as `Experts` adds them."""
+    y = y * weights[:, :, None]
+    y.masked_fill_(~held[:, :, None], 0)
+    out = y[:, 0]
+    for choice in range(1, y.shape[1]):
+        out = out + y[:, choice]
+    return out
 
 
 def grouped_mm_supported(dtype: torch.dtype, rows: int, k: int) -> bool:
