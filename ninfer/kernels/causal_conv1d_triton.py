@@ -85,7 +85,7 @@ def _causal_conv1d_kernel(
     span_end = tl.minimum(end, span_begin + SPAN)
 
     for tile in range(span_begin, span_end, BLOCK_T):
-        times = tile + tl.arange(0, BLOCK_T)
+        times = (tile + tl.arange(0, BLOCK_T)).to(tl.int64)  # times * stride passes 2^31
         time_mask = times < span_end
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for j in tl.static_range(WIDTH):
@@ -120,7 +120,7 @@ def _causal_conv1d_kernel(
         # Entry i of the new window is input end - (K - 1) + i; when that input is itself in the
         # old window it sits at entry n + i > i (n new tokens), read before it is overwritten.
         for i in tl.static_range(WIDTH - 1):
-            source = end - (WIDTH - 1) + i + tl.zeros([BLOCK_C], tl.int32)
+            source = end - (WIDTH - 1) + i + tl.zeros([BLOCK_C], tl.int64)
             in_batch = source >= begin
             from_x = tl.load(
                 x_ptr + source * stride_xt + chans, mask=chan_mask & in_batch, other=0.0
