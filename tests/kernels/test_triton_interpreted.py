@@ -24,6 +24,7 @@ from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
+from ninfer.quant import get_format
 
 require_interpreter()
 
@@ -148,6 +149,9 @@ def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, 
 def test_groupwise_linear_one_row_matches_dequantized_product(interpreted, format_name, n, k):
     """One x row takes the FMA-unit kernel; at K = 4100 and few rows it also splits K in two."""
     module = interpreted("groupwise_gemv_triton")
+    words = get_format(format_name).plane_specs((n, k))[0].shape[1] * 8 // 32
+    _, splits = module._vector_grid(n, 1, words, torch.device("cpu"))
+    assert splits == (2 if k > 4096 else 1)
     check_groupwise_linear(module, format_name, 1, n, k, torch.float16, "cpu", 2e-3)
 
 
