@@ -69,6 +69,30 @@ def check_paged_attention(
         assert relative_error(out, ref) < tol
 
 
+def gdn_inputs(
+    query_lens: list[int],
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device,
+    max_decay: float,
+):
+    """Random q, k, v, g (log decay in [-max_decay, 0], fp32), beta and a pool of nonzero fp32
+    states with two slots more than sequences; the sequences' slots shuffled in it."""
+    tokens = sum(query_lens)
+    num_slots = len(query_lens) + 2
+    q = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
+    k = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
+    v = torch.randn(tokens, num_value_heads, value_dim, device=device).to(dtype)
+    g = -torch.rand(tokens, num_value_heads, device=device) * max_decay
+    beta = torch.rand(tokens, num_value_heads, device=device).to(dtype)
+    states = torch.randn(num_slots, num_value_heads, key_dim, value_dim, device=device) * 0.5
+    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
+    return q, k, v, g, beta, states, slots, query_start_of(query_lens, device)
+
+
 def check_gdn_recurrent(
     module,
     query_lens: list[int],
@@ -81,16 +105,9 @@ def check_gdn_recurrent(
     tol: float,
 ) -> None:
     """Sequences in shuffled slots of a larger pool; untouched slots must stay as they were."""
-    tokens = sum(query_lens)
-    num_slots = len(query_lens) + 2
-    q = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
-    k = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
-    v = torch.randn(tokens, num_value_heads, value_dim, device=device).to(dtype)
-    g = -torch.rand(tokens, num_value_heads, device=device) * 2  # log decay <= 0, fp32
-    beta = torch.rand(tokens, num_value_heads, device=device).to(dtype)
-    states = torch.randn(num_slots, num_value_heads, key_dim, value_dim, device=device) * 0.5
-    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
-    query_start = query_start_of(query_lens, device)
+    q, k, v, g, beta, states, slots, query_start = gdn_inputs(
+        query_lens, num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0
+    )
     ref_states = states.clone()
     ref = gdn_reference.recurrent_gated_delta_rule(q, k, v, g, beta, ref_states, slots, query_start)
     out = module.recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
@@ -315,16 +332,9 @@ def check_gdn_chunked(
 ) -> None:
     """The prefill form against the chunked fp32 reference: sequences in shuffled slots of a
     larger pool with nonzero states; untouched slots must stay exactly as they were."""
-    tokens = sum(query_lens)
-    num_slots = len(query_lens) + 2
-    q = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
-    k = torch.randn(tokens, num_key_heads, key_dim, device=device).to(dtype)
-    v = torch.randn(tokens, num_value_heads, value_dim, device=device).to(dtype)
-    g = -torch.rand(tokens, num_value_heads, device=device) * 0.5  # log decay <= 0, fp32
-    beta = torch.rand(tokens, num_value_heads, device=device).to(dtype)
-    states = torch.randn(num_slots, num_value_heads, key_dim, value_dim, device=device) * 0.5
-    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
-    query_start = query_start_of(query_lens, device)
+    q, k, v, g, beta, states, slots, query_start = gdn_inputs(
+        query_lens, num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 0.5
+    )
     ref_states = states.clone()
     ref = chunked_reference.chunk_gated_delta_rule(q, k, v, g, beta, ref_states, slots, query_start)
     out = module.chunk_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
@@ -332,7 +342,7 @@ def check_gdn_chunked(
     assert relative_error(out, ref) < tol
     used = slots.long()
     assert relative_error(states[used], ref_states[used]) < tol
-    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched = torch.ones(states.shape[0], dtype=torch.bool)
     untouched[used.cpu()] = False
     assert torch.equal(states[untouched.to(device)], ref_states[untouched.to(device)])
 
