@@ -2,14 +2,16 @@
 Our own because no library reads this layout, and decode time is these kernels' time.
 
 Decode reads every weight once per step, so the codes are read straight from their stored
-planes and dequantized in registers. Two kernels:
-- one x row per program (M <= `VECTOR_MAX_ROWS`, and the grouped expert form for MoE decode):
-  the codes are read as 32-bit words and turned into fp32 without int-to-float instructions
-  (a quarter-rate unit on the GPU): or-ing a code u (0..2^b-1, after flipping its sign bit)
-  at bit position b*p into the mantissa of 2^23 gives the float 2^23 + u*2^(b*p) exactly, so
-  one logic op and one subtraction give (u - 2^(b-1)) * 2^(b*p), and x is pre-scaled by
-  2^(-b*p). Products accumulate in fp32 per group and are scaled once per group and row.
-- several x rows (x padded to 16 rows): codes are exact in bf16/fp16, so each group's product
+planes and never leave registers as floats. Two kernels:
+- up to `INT_MAX_ROWS` x rows (and the grouped expert form for MoE decode): integer dot
+  products. Each group of x is first split into two int8 codes per value, x ~ s * (254 * coarse
+  + fine) with s = max|x_group| / (254 * 127), which represents x to 1/64516 of its group's
+  largest value (finer than bf16's own rounding). The kernel then multiplies four weight codes
+  by four x codes in one dp4a instruction and sums the group in int32 exactly; a float
+  multiply-add per group and row applies both scales. Turning every code into a float costs
+  about three instructions per weight, which made the float form issue-bound at a third of
+  the copy rate; this form needs about one.
+- more x rows (x padded to 16 rows): codes are exact in bf16/fp16, so each group's product
   x_g · codes_g runs on the tensor cores and is scaled once per group and row afterwards. The
   q4 nibbles of a byte are values 2j and 2j+1, so they meet x's even and odd columns. Split-K
   fills the GPU when N is small; the splits' fp32 partials are summed at the end.
@@ -17,6 +19,8 @@ Reference: `groupwise_gemv.groupwise_linear`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -27,13 +31,17 @@ from ninfer.quant import EncodedTensor
 
 SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
 GROUPS_PER_STEP = 4
-# Up to this many x rows each run the one-row kernel (the weight is read once per row, from
-# the L2 after the first); beyond it the tensor-core kernel reads it once for all rows.
-VECTOR_MAX_ROWS = 1
-# One-row kernel: weight rows per program and 32-bit code words per step along K, the fastest
-# at the Qwen3.5-27B shapes on the GPU machine (bench/decode_kernels.md); fewer rows per
-# program where N is small, so the grid still fills the GPU.
-VECTOR_BLOCK_N, VECTOR_BLOCK_WORDS = 16, 128
+# Up to this many x rows run the integer kernel; beyond it the tensor-core kernel.
+INT_MAX_ROWS = 8
+# Integer kernel: weight rows per program and 32-bit code words per step along K (for one x
+# row; fewer with more rows); groups of x per program of the split.
+INT_BLOCK_N, INT_BLOCK_WORDS, INT_WARPS = 16, 128, 4
+SPLIT_BLOCK_GROUPS = 16
+# x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
+FINE = tl.constexpr(254)
+FINE_MAX = tl.constexpr(127.0)
+# Triton's CPU interpreter runs no inline assembly: there the dp4a is spelled out in shifts.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Weight rows per program, per format: the faster of 64 and 128 at M = 1..8 on the GPU machine
 # (bench/decode_kernels.md).
 BLOCK_N = {"q8_g32_fp16": 64, "q4_g64_fp16": 128}
@@ -117,36 +125,116 @@ def _groupwise_gemv_kernel(
 
 
 @triton.jit
-def _word_position(words, xs, BITS: tl.constexpr, P: tl.constexpr):
-    """(code at bit BITS*P of each sign-flipped word) * 2^(BITS*P) * xs, in fp32, exactly:
-    the code or-ed into the mantissa of 2^23 is 2^23 + u * 2^(BITS*P)."""
-    field = words & (((1 << BITS) - 1) << (BITS * P))
-    value = (field | 0x4B000000).to(tl.float32, bitcast=True)
-    value -= 8388608.0 + (1 << (BITS - 1)) * (1 << (BITS * P))
-    return value * xs
-
-
-@triton.jit
-def _x_position(x_base, first, K, S: tl.constexpr, BITS: tl.constexpr):
-    """x at the S-th code of each word (`first`: the K index of each word's first code),
-    pre-scaled by 2^-(BITS * (S mod half a word)); zero in the padding past K."""
-    half: tl.constexpr = 16 // BITS
-    xs = tl.load(x_base + first + S, mask=first + S < K, other=0.0).to(tl.float32)
-    return (xs * (1.0 / (1 << (BITS * (S % half)))))[None, :]
-
-
-@triton.jit
-def _groupwise_gemv_rows_kernel(
+def _quantize_x_kernel(
     x_ptr,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
+    K,
+    num_groups,
+    stride_xm,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """Split each group of GROUP values of an x row into coarse + fine int8 codes,
+    x ~ s * (254 * coarse + fine), and pack them in the weight words' value order: word t of
+    parity p holds bytes i = 0..3 of values t * per_word + i * stride + p (q4: the low nibbles
+    of a word are its even values, the high nibbles its odd ones)."""
+    m = tl.program_id(1).to(tl.int64)
+    groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    group_mask = groups < num_groups
+    x_row = x_ptr + m * stride_xm
+    ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_row + ks, mask=group_mask[:, None] & (ks < K), other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    step = amax * (1.0 / (FINE * FINE_MAX))  # one fine unit; a coarse unit is FINE of them
+    inv_fine = tl.where(amax > 0, (FINE * FINE_MAX) / tl.where(amax > 0, amax, 1.0), 0.0)
+    inv_coarse = inv_fine * (1.0 / FINE)
+    coarse_step = step * FINE
+    per_word: tl.constexpr = 32 // BITS
+    stride: tl.constexpr = 2 if BITS == 4 else 1
+    parities: tl.constexpr = 2 if BITS == 4 else 1
+    words_per_group: tl.constexpr = GROUP // per_word
+    words = groups[:, None] * words_per_group + tl.arange(0, words_per_group)[None, :]
+    words_per_row = num_groups * words_per_group
+    level = parities * words_per_row
+    out = xq_ptr + m * (2 * level) + words
+    live = group_mask[:, None]
+    sums = tl.zeros([BLOCK_G, words_per_group], tl.int32)
+    for p in tl.static_range(parities):
+        packed_coarse = tl.zeros([BLOCK_G, words_per_group], tl.int32)
+        packed_fine = tl.zeros([BLOCK_G, words_per_group], tl.int32)
+        for i in tl.static_range(4):
+            k = words * per_word + i * stride + p
+            v = tl.load(x_row + k, mask=live & (k < K), other=0.0).to(tl.float32)
+            coarse = tl.floor(v * inv_coarse[:, None] + 0.5)
+            coarse = tl.minimum(tl.maximum(coarse, -FINE_MAX), FINE_MAX)
+            rest = v - coarse * coarse_step[:, None]
+            fine = tl.floor(rest * inv_fine[:, None] + 0.5)
+            fine = tl.minimum(tl.maximum(fine, -FINE_MAX), FINE_MAX)
+            c = coarse.to(tl.int32)
+            f = fine.to(tl.int32)
+            sums += c * FINE + f
+            packed_coarse |= (c & 0xFF) << (8 * i)
+            packed_fine |= (f & 0xFF) << (8 * i)
+        tl.store(out + p * words_per_row, packed_coarse, mask=live)
+        tl.store(out + level + p * words_per_row, packed_fine, mask=live)
+    x_groups = m * num_groups + groups
+    tl.store(xscale_ptr + x_groups, step, mask=group_mask)
+    if BITS == 4:
+        # the q4 codes are read as u = code + 8: sum(u * x) - 8 * sum(x) = sum(code * x)
+        tl.store(corr_ptr + x_groups, 8 * tl.sum(sums, axis=1), mask=group_mask)
+
+
+@triton.jit
+def _int_dot(a, b, acc, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
+    """acc + the dot product of the four bytes of a (unsigned, or signed if SIGNED_A) with the
+    four signed bytes of b: one dp4a instruction on the GPU, shifts in the interpreter."""
+    if ASM:
+        if SIGNED_A:
+            result = tl.inline_asm_elementwise(
+                "dp4a.s32.s32 $0, $1, $2, $3;",
+                "=r,r,r,r",
+                [a, b, acc],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            result = tl.inline_asm_elementwise(
+                "dp4a.u32.s32 $0, $1, $2, $3;",
+                "=r,r,r,r",
+                [a, b, acc],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+    else:
+        result = acc + tl.zeros_like(a * b)
+        for i in tl.static_range(4):
+            if SIGNED_A:
+                a_byte = (a << (24 - 8 * i)) >> 24
+            else:
+                a_byte = (a >> (8 * i)) & 0xFF
+            result += a_byte * ((b << (24 - 8 * i)) >> 24)
+    return result
+
+
+@triton.jit
+def _groupwise_gemv_int_kernel(
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     words_ptr,
     scales_ptr,
     out_ptr,
     x_rows_ptr,
     experts_ptr,
+    M,
     N,
-    K,
     num_words,
-    stride_xm,
+    num_groups,
     stride_we,
     stride_words,
     stride_se,
@@ -155,84 +243,119 @@ def _groupwise_gemv_rows_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     GATHER: tl.constexpr,
-    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """out[r, rows] = W[e] x[i] for output row r, with (i, e) = (r, 0) or, when GATHER, read
-    from x_rows / experts (one MoE token-expert pair per output row). With SPLITS = 2 the two
-    halves of K are added into a zeroed fp32 `out` (0 + a + b = 0 + b + a: deterministic)."""
+    """out[m, rows] = W x[m] for BLOCK_M x rows, or, when GATHER (BLOCK_M = 1), out[r] =
+    W[experts[r]] x[x_rows[r]]: one MoE token-expert pair per program column. Per group, the
+    integer sum over codes * (FINE * coarse + fine) is exact; it is scaled once per group by
+    the weight's and x's scales."""
     pid_n = tl.program_id(0)
-    r = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_m = tl.program_id(1)
     if GATHER:
-        x_row = tl.load(x_rows_ptr + r).to(tl.int64)
-        expert = tl.load(experts_ptr + r).to(tl.int64)
+        ms = tl.load(x_rows_ptr + pid_m + tl.zeros([BLOCK_M], tl.int32)).to(tl.int64)
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        out_rows = pid_m + tl.zeros([BLOCK_M], tl.int64)
+        m_mask = ms >= 0
     else:
-        x_row = r.to(tl.int64)
+        ms = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         expert = 0
-    per_word: tl.constexpr = 32 // BITS
-    words_per_group: tl.constexpr = GROUP // per_word
-    sign_flip: tl.constexpr = -0x77777778 if BITS == 4 else -0x7F7F7F80  # 0x88888888, 0x80808080
+        out_rows = ms
+        m_mask = ms < M
+    parities: tl.constexpr = 2 if BITS == 4 else 1
+    words_per_group: tl.constexpr = GROUP * BITS // 32
+    level = parities * num_words
+    x_words = xq_ptr + ms[:, None] * (2 * level)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     word_rows = words_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_words
     scale_rows = scales_ptr + expert * stride_se + rows[:, None].to(tl.int64) * stride_scales
-    x_base = x_ptr + x_row * stride_xm
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    split_words = tl.cdiv(tl.cdiv(num_words, SPLITS), BLOCK_WORDS) * BLOCK_WORDS
-    last = tl.minimum((split + 1) * split_words, num_words)
-    for start in tl.range(split * split_words, last, BLOCK_WORDS, num_stages=2):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=2):
         cols = start + tl.arange(0, BLOCK_WORDS)
         col_mask = cols < num_words
-        words = tl.load(word_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :])
-        words = words ^ sign_flip
-        high = words >> 16
-        first = cols * per_word
-        part = _word_position(words, _x_position(x_base, first, K, 0, BITS), BITS, 0)
+        w = tl.load(word_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :])
+        w = w[None, :, :]
+        x_mask = m_mask[:, None] & col_mask[None, :]
+        x_coarse = tl.load(x_words + cols[None, :], mask=x_mask, other=0)[:, None, :]
+        x_fine = tl.load(x_words + level + cols[None, :], mask=x_mask, other=0)[:, None, :]
         if BITS == 4:
-            part += _word_position(words, _x_position(x_base, first, K, 1, BITS), BITS, 1)
-            part += _word_position(words, _x_position(x_base, first, K, 2, BITS), BITS, 2)
-            part += _word_position(words, _x_position(x_base, first, K, 3, BITS), BITS, 3)
-            part += _word_position(high, _x_position(x_base, first, K, 4, BITS), BITS, 0)
-            part += _word_position(high, _x_position(x_base, first, K, 5, BITS), BITS, 1)
-            part += _word_position(high, _x_position(x_base, first, K, 6, BITS), BITS, 2)
-            part += _word_position(high, _x_position(x_base, first, K, 7, BITS), BITS, 3)
+            low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
+            high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
+            odd = x_words + num_words + cols[None, :]
+            xo_coarse = tl.load(odd, mask=x_mask, other=0)[:, None, :]
+            xo_fine = tl.load(odd + level, mask=x_mask, other=0)[:, None, :]
+            coarse = _int_dot(high, xo_coarse, _int_dot(low, x_coarse, 0, False, ASM), False, ASM)
+            fine = _int_dot(high, xo_fine, _int_dot(low, x_fine, 0, False, ASM), False, ASM)
         else:
-            part += _word_position(words, _x_position(x_base, first, K, 1, BITS), BITS, 1)
-            part += _word_position(high, _x_position(x_base, first, K, 2, BITS), BITS, 0)
-            part += _word_position(high, _x_position(x_base, first, K, 3, BITS), BITS, 1)
-        groups = start // words_per_group + tl.arange(0, BLOCK_WORDS // words_per_group)
+            coarse = _int_dot(w, x_coarse, 0, True, ASM)
+            fine = _int_dot(w, x_fine, 0, True, ASM)
+        per_word = coarse * FINE + fine
         group_sums = tl.sum(
-            tl.reshape(part, [BLOCK_N, BLOCK_WORDS // words_per_group, words_per_group]), axis=2
+            tl.reshape(
+                per_word,
+                [BLOCK_M, BLOCK_N, BLOCK_WORDS // words_per_group, words_per_group],
+            ),
+            axis=3,
         )
-        scales = tl.load(
+        groups = start // words_per_group + tl.arange(0, BLOCK_WORDS // words_per_group)
+        group_mask = groups < num_groups
+        x_groups = ms[:, None] * num_groups + groups[None, :]
+        xg_mask = m_mask[:, None] & group_mask[None, :]
+        if BITS == 4:
+            group_sums -= tl.load(corr_ptr + x_groups, mask=xg_mask, other=0)[:, None, :]
+        x_scale = tl.load(xscale_ptr + x_groups, mask=xg_mask, other=0.0)
+        w_scale = tl.load(
             scale_rows + groups[None, :],
-            mask=row_mask[:, None] & (groups * words_per_group < num_words)[None, :],
+            mask=row_mask[:, None] & group_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        acc += tl.sum(group_sums * scales, axis=1)
-    out = out_ptr + r.to(tl.int64) * stride_om + rows
-    if SPLITS == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
-    else:
-        tl.atomic_add(out, acc, mask=row_mask, sem="relaxed")
+        scale = x_scale[:, None, :] * w_scale[None, :, :]
+        acc += tl.sum(group_sums.to(tl.float32) * scale, axis=2)
+    out = out_ptr + out_rows[:, None] * stride_om + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
 
-def _vector_grid(num_rows: int, out_rows: int, num_words: int, device: torch.device):
-    """(rows per program, K splits): VECTOR_BLOCK_N, halved while the grid would not give every
-    SM two programs; and K split in two where the grid stays under three programs per SM and K
-    is long, which measured 1.4-1.5x faster at N = 5120 (bench/decode_kernels.md)."""
+def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
+    """x [M, K] -> (codes [M, 2, Kp/4] int32 (coarse words, then fine words), per-group
+    corrections [M, Kp/group] int32 (q4; unused for q8), per-group fine steps [M, Kp/group]
+    fp32), in the order `_groupwise_gemv_int_kernel` reads them."""
+    m, k = x.shape
+    num_groups = padded_k // group
+    codes = torch.empty(m, 2, padded_k // 4, dtype=torch.int32, device=x.device)
+    corr = torch.empty(m, num_groups, dtype=torch.int32, device=x.device)
+    steps = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_groups, SPLIT_BLOCK_GROUPS), m)
+    _quantize_x_kernel[grid](
+        x,
+        codes,
+        corr,
+        steps,
+        k,
+        num_groups,
+        x.stride(0),
+        BITS=bits,
+        GROUP=group,
+        BLOCK_G=SPLIT_BLOCK_GROUPS,
+        num_warps=4,
+    )
+    return codes, corr, steps
+
+
+def _int_config(block_m: int, num_rows: int, out_blocks: int, device: torch.device):
+    """(rows per program, words per step): INT_BLOCK_N halved while the grid would not give
+    every SM four programs; fewer words per step for more x rows (their int sums stay in
+    registers)."""
     sms = num_sms(device)
-    block_n = VECTOR_BLOCK_N
-    while block_n > 4 and triton.cdiv(num_rows, block_n) * out_rows < 2 * sms:
+    block_n = INT_BLOCK_N
+    while block_n > 4 and triton.cdiv(num_rows, block_n) * out_blocks < 4 * sms:
         block_n //= 2
-    programs = triton.cdiv(num_rows, block_n) * out_rows
-    splits = 2 if programs < 3 * sms and num_words >= 4 * VECTOR_BLOCK_WORDS else 1
-    return block_n, splits
+    return block_n, max(8, INT_BLOCK_WORDS // block_m)
 
 
-def _rows_linear(
+def _int_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -242,33 +365,35 @@ def _rows_linear(
     x_rows: torch.Tensor | None = None,
     experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The one-row kernel over codes [(E,) N, Kp*bits/8] and scales [(E,) N, Kp/group]."""
-    words = codes.view(torch.int32)
+    """x split into int8 pairs once, then the integer GEMV over codes [(E,) N, Kp*bits/8] and
+    scales [(E,) N, Kp/group]."""
     gather = experts is not None
     out_rows = experts.shape[0] if gather else x.shape[0]
-    num_words = words.shape[-1]
-    block_n, splits = _vector_grid(num_rows, out_rows, num_words, x.device)
-    if out_rows == 0 or splits == 1:
-        out = torch.empty(out_rows, num_rows, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(out_rows, num_rows, dtype=torch.float32, device=x.device)
-    if out_rows == 0:
+    out = torch.empty(out_rows, num_rows, dtype=x.dtype, device=x.device)
+    if out_rows == 0 or x.shape[0] == 0:
         return out
-    # words per step: at most the words of a row, and a whole number of groups
-    block_words = min(VECTOR_BLOCK_WORDS, next_power_of_2(num_words))
-    block_words = max(block_words, group * bits // 32)
-    grid = (triton.cdiv(num_rows, block_n), out_rows, splits)
-    _groupwise_gemv_rows_kernel[grid](
-        x,
+    words = codes.view(torch.int32)
+    num_words = words.shape[-1]
+    num_groups = scales.shape[-1]
+    x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
+    block_m = 1 if gather else min(INT_MAX_ROWS, next_power_of_2(x.shape[0]))
+    out_blocks = out_rows if gather else triton.cdiv(out_rows, block_m)
+    block_n, block_words = _int_config(block_m, num_rows, out_blocks, x.device)
+    words_per_group = group * bits // 32
+    block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
+    _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_blocks)](
+        x_codes,
+        corr,
+        steps,
         words,
         scales,
         out,
         x_rows if gather else out,
         experts if gather else out,
+        x.shape[0],
         num_rows,
-        x.shape[1],
         num_words,
-        x.stride(0),
+        num_groups,
         words.stride(0) if words.dim() == 3 else 0,
         words.stride(-2),
         scales.stride(0) if scales.dim() == 3 else 0,
@@ -277,12 +402,13 @@ def _rows_linear(
         BITS=bits,
         GROUP=group,
         GATHER=gather,
-        SPLITS=splits,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,
-        num_warps=4,
+        ASM=not INTERPRETED,
+        num_warps=INT_WARPS,
     )
-    return out if splits == 1 else out.to(x.dtype)
+    return out
 
 
 def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor):
@@ -301,7 +427,7 @@ def grouped_groupwise_linear(
     int32/int64 on x's device. Returns [P, N]: row p is W[experts[p]] @ x[x_rows[p]]. The
     expert ids are read on the device, so the call has fixed shapes (CUDA-graph safe)."""
     bits, group, codes, scales = _unit_stride_planes(x, weight)
-    return _rows_linear(x, codes, scales, weight.shape[1], bits, group, x_rows, experts)
+    return _int_linear(x, codes, scales, weight.shape[1], bits, group, x_rows, experts)
 
 
 def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
@@ -310,8 +436,8 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     num_rows, k = weight.shape
     m = x.shape[0]
-    if m <= VECTOR_MAX_ROWS:
-        return _rows_linear(x, codes, scales, num_rows, bits, group)
+    if m <= INT_MAX_ROWS:
+        return _int_linear(x, codes, scales, num_rows, bits, group)
     num_groups = scales.shape[1]
     block_m = min(64, max(16, next_power_of_2(m)))
     block_n = BLOCK_N[weight.format]

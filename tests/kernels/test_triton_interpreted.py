@@ -144,15 +144,46 @@ def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, 
 
 @pytest.mark.parametrize(
     ("format_name", "n", "k"),
-    [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 12, 4100)],
+    [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 12, 1000)],
 )
-def test_groupwise_linear_one_row_matches_dequantized_product(interpreted, format_name, n, k):
-    """One x row takes the FMA-unit kernel; at K = 4100 and few rows it also splits K in two."""
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_groupwise_linear_integer_kernel_matches_dequantized_product(
+    interpreted, format_name, n, k, m
+):
+    """Up to eight x rows take the integer kernel (dp4a spelled out in shifts here); its only
+    error beyond the output's rounding is x's split, under 1/64516 of a group's largest
+    value."""
     module = interpreted("groupwise_gemv_triton")
-    words = get_format(format_name).plane_specs((n, k))[0].shape[1] * 8 // 32
-    _, splits = module._vector_grid(n, 1, words, torch.device("cpu"))
-    assert splits == (2 if k > 4096 else 1)
-    check_groupwise_linear(module, format_name, 1, n, k, torch.float16, "cpu", 2e-3)
+    assert m <= module.INT_MAX_ROWS
+    check_groupwise_linear(module, format_name, m, n, k, torch.float16, "cpu", 1e-3)
+
+
+@pytest.mark.parametrize(("format_name", "k"), [("q4_g64_fp16", 300), ("q8_g32_fp16", 200)])
+def test_x_split_into_coarse_and_fine_codes_represents_x(interpreted, format_name, k):
+    """x = s * (254 * coarse + fine) within half a fine step s per value (plus the residual's
+    fp32 rounding, 2^-24 of |x| <= 32258 s: under 0.002 s), codes in [-127, 127],
+    words packed in the weight's value order, and (q4) the correction 8 * sum of each group."""
+    module = interpreted("groupwise_gemv_triton")
+    fmt = get_format(format_name)
+    bits, group = module.SUPPORTED[format_name]
+    padded = fmt.padded_k(k)
+    x = torch.randn(3, k, dtype=torch.float16) * torch.logspace(-3, 2, k, dtype=torch.float16)
+    x[1, :group] = 0  # an all-zero group has step 0 and codes 0
+    codes, corr, steps = module.split_x(x, bits, group, padded)
+    raw = codes.reshape(3, 2, -1, 1).view(torch.int8).reshape(3, 2, -1).to(torch.int32)
+    if bits == 4:  # per word: its even values' bytes, then (after all words) the odd ones'
+        words = padded // 8
+        even, odd = raw[:, :, : 4 * words], raw[:, :, 4 * words :]
+        raw = torch.stack([even, odd], dim=-1).reshape(3, 2, padded)
+    assert raw.abs().max() <= 127
+    combined = (254 * raw[:, 0] + raw[:, 1]).reshape(3, padded // group, group)
+    rebuilt = (combined.double() * steps.double().unsqueeze(-1)).reshape(3, padded)[:, :k]
+    assert (
+        (rebuilt - x.double()).abs() <= steps.double().repeat_interleave(group, 1)[:, :k] * 0.502
+    ).all()
+    assert (steps[1, 0] == 0) and (combined[1, 0] == 0).all()
+    if bits == 4:
+        assert torch.equal(corr, 8 * combined.sum(-1))
 
 
 @pytest.mark.parametrize(("format_name", "k"), [("q4_g64_fp16", 2100), ("q8_g32_fp16", 1100)])
