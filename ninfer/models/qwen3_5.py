@@ -116,8 +116,9 @@ class Qwen3_5Config:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: h += mixer(norm(h)); h += mlp(norm(h)). `config` holds this
-    rank's local sizes; the mixer and MLP outputs are partial sums over the ranks."""
+    """Pre-norm residual block: h += mixer(norm(h)); h += mlp(norm(h)), each add fused into the
+    norm after it. `config` holds this rank's local sizes; the mixer and MLP outputs are
+    partial sums over the ranks."""
 
     def __init__(
         self, config: Qwen3_5Config, layer_type: str, cache_index: int, shard: Shard
@@ -158,18 +159,27 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
-    ) -> torch.Tensor:
-        normed = self.input_layernorm(hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `hidden + residual` (`hidden` alone when residual is None, as
+        for the first layer). Returns (mlp output, stream before it): each add is left to the
+        norm that reads its sum, which writes the sum in the same pass (one launch less per
+        add on the GPU; on the CPU the same add, in the same order, so the same bits)."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
         if self.layer_type == "full_attention":
             mixed = self.self_attn(normed, rotary, cos, sin, ctx)
         else:
             mixed = self.linear_attn(normed, ctx)
-        hidden = hidden + self.shard.all_reduce(mixed)
-        return hidden + self.shard.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
+        normed, residual = self.post_attention_layernorm(self.shard.all_reduce(mixed), residual)
+        return self.shard.all_reduce(self.mlp(normed)), residual
 
 
 class MultiTokenPredictor(nn.Module):
@@ -209,9 +219,10 @@ class MultiTokenPredictor(nn.Module):
         )
         x = self.fc(joined)
         cos, sin = parent.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, parent.rotary, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, parent.rotary, cos, sin, ctx)
+        return self.norm(x, residual)[0]
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -324,9 +335,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         states after the final norm, [T, H]."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, self.rotary, cos, sin, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, self.rotary, cos, sin, ctx)
+        return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -94,6 +94,33 @@ def test_rms_norm(rows, dim, strided):
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 4096])
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [
+        pytest.param(BF16, torch.finfo(BF16).eps, id="bf16"),
+        pytest.param(torch.float32, 1e-5, id="fp32"),
+    ],
+)
+def test_rms_norm_fused_with_residual_add_at_27b_hidden(tokens, dtype, tol):
+    """A decoder layer's residual add fused into the norm after it (hidden 5120): the sum
+    equals torch's add bit for bit; the norm of it is within tol * |ref| at every element (in
+    bf16 one rounding step: fp32 sum and rsqrt differing from torch's in the last bits flip a
+    rounding at most)."""
+    from ninfer.kernels import rms_norm as norm_reference
+    from ninfer.kernels import rms_norm_triton
+
+    mixer_out = torch.randn(tokens, 5120, device="cuda").to(dtype)
+    residual = (torch.randn(tokens, 5120, device="cuda") * 4).to(dtype)
+    weight = (torch.randn(5120, device="cuda") * 0.1).to(dtype)
+    normed, stream = rms_norm_triton.rms_norm(mixer_out, weight, 1e-6, residual)
+    ref_normed, ref_stream = norm_reference.rms_norm(mixer_out, weight, 1e-6, residual)
+    assert torch.equal(stream, residual + mixer_out)
+    assert torch.equal(stream, ref_stream)
+    bound = tol * ref_normed.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((normed.float() - ref_normed.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 4096])
 def test_gated_rms_norm(tokens):
     """The 27B GDN output norm shape, [tokens, 48 value heads, 128]. bf16 within one rounding
     step at the output's scale (finfo.eps * max|ref|): fp32 sum and rsqrt differing from torch's

@@ -1,6 +1,7 @@
 """Qwen3.5 norms. `RMSNorm` stores an offset w and scales by (1 + w), multiplying in fp32 and
-casting once; `GatedRMSNorm` (GDN output) scales by plain w in the model dtype, then by silu(z)
-in fp32, as the reference does."""
+casting once, optionally adding the residual first (`kernels/rms_norm.py`); `GatedRMSNorm`
+(GDN output) scales by plain w in the model dtype, then by silu(z) in fp32, as the reference
+does."""
 
 import torch
 from torch import nn
@@ -14,8 +15,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or (norm(x + residual), x + residual): the residual add of a decoder
+        layer fused into the norm that follows it."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
