@@ -1,0 +1,92 @@
+"""MoE routing in Triton: one launch per step for what eager torch runs as about fifteen
+(upcast, softmax, top-k, sum, divide, cast, sort, gather, the pair lists), each a separate
+kernel launch in a decode step that is launch-bound. One program per token holds its row of
+logits: fp32 softmax, k rounds of "take the largest", renormalise, cast, and each choice stored
+at its rank among the chosen ids, so the choices come out in id order without a sort.
+Of equal probabilities the lowest expert id is taken, as torch.topk on CUDA does (its gather
+pass writes values equal to the k-th in index order). A NaN probability ranks above all others,
+as in torch.topk, so every id written is a valid expert.
+Reference: `moe_routing.moe_route` (same signature)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.moe_routing import Routes
+from ninfer.kernels.triton_support import next_power_of_2
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    pair_tokens_ptr,
+    pair_experts_ptr,
+    pairs_ptr,
+    num_experts,
+    stride_logits,
+    first,
+    count,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    token = tl.program_id(0)
+    ids = tl.arange(0, BLOCK_E)
+    live = ids < num_experts
+    row = logits_ptr + token.to(tl.int64) * stride_logits
+    logits = tl.load(row + ids, mask=live, other=float("-inf")).to(tl.float32)
+    shifted = tl.exp(logits - tl.max(logits, axis=0))
+    probs = tl.div_rn(shifted, tl.sum(shifted, axis=0))  # IEEE division, as torch's
+    # probabilities lie in [0, 1]: -1 marks padding and taken experts, 2 ranks a NaN first
+    candidates = tl.where(live, tl.where(probs == probs, probs, 2.0), -1.0)
+    chosen = ids < 0
+    total = 0.0
+    for _ in tl.static_range(TOP_K):
+        best = tl.max(candidates, axis=0)
+        pick = tl.min(tl.where(candidates == best, ids, BLOCK_E), axis=0)
+        taken = ids == pick
+        chosen = chosen | taken
+        total += tl.sum(tl.where(taken, probs, 0.0), axis=0)
+        candidates = tl.where(taken, -1.0, candidates)
+    pair = token * TOP_K + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    weights = tl.div_rn(probs, total).to(weights_ptr.dtype.element_ty)
+    tl.store(weights_ptr + pair, weights, mask=chosen)
+    tl.store(experts_ptr + pair, ids, mask=chosen)
+    tl.store(pair_tokens_ptr + pair, ids * 0 + token, mask=chosen)
+    tl.store(
+        pair_experts_ptr + pair, tl.minimum(tl.maximum(ids - first, 0), count - 1), mask=chosen
+    )
+    tl.store(pairs_ptr + pair, pair, mask=chosen)
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, dtype: torch.dtype, first: int, count: int
+) -> Routes:
+    """logits [T, E] with unit stride along E (rows may be strided, e.g. a view of a stacked
+    router product)."""
+    tokens, num_experts = logits.shape
+    device = logits.device
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
+    experts = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    pair_lists = torch.empty(3, tokens * top_k, dtype=torch.int32, device=device)
+    pair_tokens, pair_experts, pairs = pair_lists.unbind(0)
+    if tokens:
+        _moe_route_kernel[(tokens,)](
+            logits,
+            weights,
+            experts,
+            pair_tokens,
+            pair_experts,
+            pairs,
+            num_experts,
+            logits.stride(0),
+            first,
+            count,
+            TOP_K=top_k,
+            BLOCK_E=next_power_of_2(num_experts),
+            num_warps=4,
+        )
+    return Routes(weights, experts, pair_tokens, pair_experts, pairs)
