@@ -2,7 +2,9 @@
 expert width 512, top-8; 32 of its 256 experts keep memory small): the grouped GEMV and
 `GroupwiseExperts` against the dequantized experts in fp64 (relative error of bf16 operands,
 METHOD.md), the decode path replayed from a CUDA graph, and a groupwise-int MoE model end to
-end (experts encoded, greedy tokens with graphs equal those without, logits near the CPU's)."""
+end (experts encoded, greedy tokens with graphs equal those without, logits near the CPU's).
+The routing and output kernels at the full router (256 experts) against their references, and
+a whole encoded MoE block replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from test_graphs_gpu import assert_top_logprob_close_to_cpu_fp32, mixed_requests
 
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import load_core
+from ninfer.kernels import moe_combine as combine_reference
+from ninfer.kernels import moe_routing as routing_reference
 from ninfer.models.layers import moe
-from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
+from ninfer.models.layers.linear import GroupwiseLinear
+from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts, SparseMoE
 from ninfer.quant import get_format
 
 pytestmark = [
@@ -25,6 +30,8 @@ pytestmark = [
 BF16 = torch.bfloat16
 HIDDEN, WIDTH, TOP_K, NUM_EXPERTS = 2048, 512, 8, 32
 FORMATS = ["q4_g64_fp16", "q8_g32_fp16"]
+ROUTER_EXPERTS = 256  # the whole router of 35B-A3B
+DECODE_TOKENS = [1, 8, 64]
 
 
 @pytest.mark.parametrize("format_name", FORMATS)
@@ -142,3 +149,100 @@ def test_quantized_moe_model_logits_close_to_the_dequantized_model(tiny_artifact
     dequantized in fp32 on the CPU."""
     _, path = tiny_artifact(weights="groupwise-int", moe=True, hidden=128)
     assert_top_logprob_close_to_cpu_fp32(path, list(range(20, 100)))
+
+
+@pytest.mark.parametrize(
+    ("first", "count"), [(0, ROUTER_EXPERTS), (64, 32)], ids=["all", "ep-rank"]
+)
+@pytest.mark.parametrize("num_tokens", DECODE_TOKENS)
+def test_routing_kernel_matches_the_reference(num_tokens, first, count):
+    """bf16 logits read from a stacked router product (strided rows); experts and pair lists
+    exact, weights within one bf16 rounding step (eps relative)."""
+    from ninfer.kernels import moe_routing_triton
+
+    stacked = torch.randn(num_tokens, ROUTER_EXPERTS + 1, device="cuda").to(BF16)
+    logits = stacked[:, :ROUTER_EXPERTS]
+    ours = moe_routing_triton.moe_route(logits, TOP_K, BF16, first, count)
+    ref = routing_reference.moe_route(logits, TOP_K, BF16, first, count)
+    for name in ("experts", "pair_tokens", "pair_experts", "pairs"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    torch.testing.assert_close(ours.weights, ref.weights, rtol=torch.finfo(BF16).eps, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", DECODE_TOKENS)
+def test_routing_kernel_breaks_ties_as_torch_topk_does(num_tokens):
+    """Scores of four values tie many experts at the k-th place: torch.topk on CUDA keeps the
+    lowest ids of those, and so does the kernel."""
+    from ninfer.kernels import moe_routing_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(num_tokens)
+    scores = torch.randint(0, 4, (num_tokens, ROUTER_EXPERTS), device="cuda", generator=generator)
+    logits = scores.to(BF16)
+    ours = moe_routing_triton.moe_route(logits, TOP_K, BF16, 0, ROUTER_EXPERTS)
+    ref = routing_reference.moe_route(logits, TOP_K, BF16, 0, ROUTER_EXPERTS)
+    assert torch.equal(ours.experts, ref.experts)
+    torch.testing.assert_close(ours.weights, ref.weights, rtol=torch.finfo(BF16).eps, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("first", "count"), [(0, ROUTER_EXPERTS), (64, 32)], ids=["all", "ep-rank"]
+)
+@pytest.mark.parametrize("num_tokens", DECODE_TOKENS)
+def test_combine_kernel_matches_the_reference(num_tokens, first, count):
+    """The eager roundings in bf16: equal but where the sigmoid rounds differently."""
+    from ninfer.kernels import moe_combine_triton
+
+    routes = routing_reference.moe_route(
+        torch.randn(num_tokens, ROUTER_EXPERTS, device="cuda"), TOP_K, BF16, first, count
+    )
+    inputs = dict(
+        choices=torch.randn(num_tokens, TOP_K, HIDDEN, device="cuda").to(BF16),
+        weights=routes.weights,
+        experts=routes.experts,
+        first=first,
+        count=count,
+        shared=torch.randn(num_tokens, HIDDEN, device="cuda").to(BF16),
+        shared_gate=torch.randn(num_tokens, ROUTER_EXPERTS + 1, device="cuda").to(BF16)[:, -1:],
+    )
+    ours = moe_combine_triton.moe_combine(**inputs)
+    ref = combine_reference.moe_combine(**inputs)
+    assert ours.dtype == BF16 and ours.shape == (num_tokens, HIDDEN)
+    assert (ours == ref).float().mean() > 0.99
+    assert relative_error(ours, ref) < 2**-8
+
+
+def test_encoded_moe_block_decode_replays_from_a_cuda_graph(stored_experts, monkeypatch):
+    """A whole block (stacked router, encoded experts and shared expert) at 8 tokens: captured
+    once, a replay on new inputs gives the eager result, which is within bf16 rounding of the
+    same block with routing and output computed by the torch references."""
+    torch.manual_seed(0)
+    q4 = get_format("q4_g64_fp16")
+    block = SparseMoE(HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, WIDTH).to("cuda")
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=HIDDEN**-0.5)
+    block.experts = GroupwiseExperts.from_stored(
+        range(NUM_EXPERTS), *stored_experts["q4_g64_fp16"], device="cuda"
+    )
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        weight = getattr(block.shared_expert, proj).weight.data
+        setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
+    block.shared_expert.fuse_projections()
+    block = block.to(BF16)
+    assert block.fuse_projections() == ["router"]
+    x = torch.randn(8, HIDDEN, device="cuda", dtype=BF16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block(x)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        eager = block(x)
+        assert torch.equal(out, eager)
+        with monkeypatch.context() as references:
+            references.setattr(moe, "use_triton", lambda *tensors: False)
+            assert relative_error(eager, block(x)) < 1e-2

@@ -8,7 +8,12 @@ stored in a group-wise int format stay encoded (`GroupwiseExperts`, swapped in a
 `quantize_experts`): decode reads only the chosen experts' codes, which is where a MoE decode
 step's time goes; prefill in bf16 sorts the (token, choice) pairs by expert and runs each
 projection as one grouped matrix product (`torch._grouped_mm`) per block of dequantized
-experts, where the per-expert loop would launch a dequantization and products per expert."""
+experts, where the per-expert loop would launch a dequantization and products per expert.
+
+A decode step is launch-bound, so on CUDA the routing (softmax, top-k, renormalise, the pair
+lists) and the output (weighted choices, shared expert gate, sums) are one Triton kernel each
+(`moe_routing_triton`, `moe_combine_triton`); elsewhere their torch references run, which
+compute what the eager module always has, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,8 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
+from ninfer.kernels import moe_combine as combine_reference
+from ninfer.kernels import moe_routing as routing_reference
 from ninfer.kernels.dispatch import grouped_groupwise_linear, groupwise_dequant, silu_mul
-from ninfer.models.layers.linear import GEMV_FORMATS, encoded_linear
+from ninfer.kernels.moe_routing import Routes
+from ninfer.kernels.triton_support import use_triton
+from ninfer.models.layers.linear import GEMV_FORMATS, FusedLinear, encoded_linear, fuse_into
 from ninfer.models.layers.mlp import MLP
 from ninfer.quant import EncodedTensor
 
@@ -208,12 +217,22 @@ class GroupwiseExperts(RoutedExperts):
     ) -> torch.Tensor:
         local, weights, held = _sorted_routes(experts, weights, self.first, self.num_experts)
         tokens, top_k = local.shape
-        pairs = local.reshape(-1)  # pair t * k + c: token t's c-th choice in id order
-        rows = torch.arange(tokens * top_k, device=x.device)
-        gate_up = grouped_groupwise_linear(x, self.gate_up_proj, rows // top_k, pairs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = grouped_groupwise_linear(silu_mul(gate, up), self.down_proj, rows, pairs)
+        pairs = torch.arange(tokens * top_k, device=x.device)  # token t's c-th choice: t * k + c
+        y = self.pair_outputs(x, pairs // top_k, local.reshape(-1), pairs)
         return _weighted_choices(y.view(tokens, top_k, y.shape[-1]), weights, held)
+
+    def pair_outputs(
+        self,
+        x: torch.Tensor,
+        pair_tokens: torch.Tensor,
+        pair_experts: torch.Tensor,
+        pairs: torch.Tensor,
+    ) -> torch.Tensor:
+        """[P, H]: row p is local expert pair_experts[p]'s SwiGLU of x[pair_tokens[p]] (`pairs`
+        is 0..P-1, the rows the down projection reads). Two grouped GEMVs and the activation."""
+        gate_up = grouped_groupwise_linear(x, self.gate_up_proj, pair_tokens, pair_experts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return grouped_groupwise_linear(silu_mul(gate, up), self.down_proj, pairs, pair_experts)
 
     def _forward_grouped_mm(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -369,11 +388,58 @@ class SparseMoE(nn.Module):
         self.experts = Experts(held, hidden_size, intermediate_size)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.router: FusedLinear | None = None
+
+    def fuse_projections(self) -> list[str]:
+        """The router and the shared expert's gate read the same x: one product for both where
+        their weights allow (`fuse_into`); returns the fused modules' names."""
+        return ["router"] if fuse_into(self, "router", ("gate", "shared_expert_gate")) else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        routed = self.experts(x, experts, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        if self.router is None:
+            logits, shared_gate = self.gate(x), self.shared_expert_gate(x)
+        else:
+            logits, shared_gate = self.router(x)
+        experts = self.experts
+        routes = route_tokens(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
+        shared = self.shared_expert(x)
+        if isinstance(experts, GroupwiseExperts) and x.shape[0] <= GATHERED_MAX_TOKENS:
+            choices = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
+            choices = choices.view(x.shape[0], self.top_k, x.shape[1])
+            return combine_outputs(
+                choices,
+                routes.weights,
+                routes.experts,
+                experts.first,
+                experts.num_experts,
+                shared,
+                shared_gate,
+            )
+        routed = experts(x, routes.experts, routes.weights)
+        return routed + torch.sigmoid(shared_gate) * shared
+
+
+def route_tokens(
+    logits: torch.Tensor, top_k: int, dtype: torch.dtype, first: int, count: int
+) -> Routes:
+    """`moe_routing.moe_route`: the Triton kernel on CUDA, else the torch reference."""
+    module = routing_reference
+    if use_triton(logits) and logits.stride(-1) == 1:
+        from ninfer.kernels import moe_routing_triton as module
+    return module.moe_route(logits, top_k, dtype, first, count)
+
+
+def combine_outputs(
+    choices: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    first: int,
+    count: int,
+    shared: torch.Tensor,
+    shared_gate: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_combine.moe_combine`: the Triton kernel on CUDA, else the torch reference."""
+    module = combine_reference
+    if use_triton(choices, shared) and choices.stride(-1) == 1 and shared.stride(-1) == 1:
+        from ninfer.kernels import moe_combine_triton as module
+    return module.moe_combine(choices, weights, experts, first, count, shared, shared_gate)

@@ -1,0 +1,112 @@
+"""`SparseMoE` as one block: the router stacked with the shared expert's gate computes the
+unstacked block bit for bit on the CPU, and a decode step with encoded experts launches the
+kernels counted here (the CUDA path traced on the meta device: non-view aten ops, with each
+Triton entry point one launch)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ninfer.models.layers import linear, mlp, moe
+from ninfer.models.layers.linear import GroupwiseLinear
+from ninfer.models.layers.moe import GroupwiseExperts, SparseMoE
+from ninfer.quant import get_format
+
+HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 128, 64, 16, 4
+# aten ops that launch no kernel: views and allocations
+NO_LAUNCH = {
+    "view", "_unsafe_view", "split", "split_with_sizes", "chunk", "slice", "select", "expand",
+    "t", "transpose", "unsqueeze", "squeeze", "reshape", "as_strided", "alias", "permute",
+    "detach", "unbind", "empty", "empty_like", "new_empty", "empty_strided",
+}  # fmt: skip
+
+
+def moe_block(encoded: bool) -> SparseMoE:
+    torch.manual_seed(0)
+    block = SparseMoE(HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, WIDTH)
+    for param in block.parameters():
+        nn.init.normal_(param, std=HIDDEN**-0.5)
+    if encoded:
+        q4 = get_format("q4_g64_fp16")
+        block.experts = GroupwiseExperts(
+            range(NUM_EXPERTS),
+            q4.encode(block.experts.gate_up_proj.data),
+            q4.encode(block.experts.down_proj.data),
+        )
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            weight = getattr(block.shared_expert, proj).weight.data
+            setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
+    block.shared_expert.fuse_projections()
+    return block
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["dense", "encoded"])
+@pytest.mark.parametrize("tokens", [1, 8, 100])
+def test_stacked_router_computes_the_unstacked_block_bit_for_bit(encoded, tokens):
+    block = moe_block(encoded)
+    x = torch.randn(tokens, HIDDEN)
+    unstacked = block(x)
+    assert block.fuse_projections() == ["router"]
+    assert not hasattr(block, "gate") and not hasattr(block, "shared_expert_gate")
+    assert torch.equal(block(x), unstacked)
+
+
+class LaunchCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: collections.Counter[str] = collections.Counter()
+        self.inside_kernel = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside_kernel and name not in NO_LAUNCH:
+            self.launches[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def kernel(self, name: str, compute):
+        """A Triton entry point: one launch, whatever its reference runs to shape the output."""
+
+        def launch(*args, **kwargs):
+            self.launches[name] += 1
+            self.inside_kernel = True
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                self.inside_kernel = False
+
+        return launch
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_encoded_decode_step_launches_nine_kernels(monkeypatch, tokens):
+    """Stacked router product, routing, two grouped GEMVs and their activation, the shared
+    expert's two GEMVs and activation, the output: nine, for any decode batch."""
+    block = moe_block(encoded=True)
+    block.fuse_projections()
+    block = block.to(device="meta", dtype=torch.bfloat16)
+    count = LaunchCount()
+
+    def grouped(x, weight, x_rows, experts):
+        return x.new_empty(experts.shape[0], weight.shape[1])
+
+    def gemv(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    monkeypatch.setattr(moe, "grouped_groupwise_linear", count.kernel("grouped_gemv", grouped))
+    monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
+    for module in (moe, mlp):
+        monkeypatch.setattr(module, "silu_mul", count.kernel("silu_mul", torch.mul))
+    monkeypatch.setattr(moe, "route_tokens", count.kernel("route", moe.route_tokens))
+    monkeypatch.setattr(moe, "combine_outputs", count.kernel("combine", moe.combine_outputs))
+    x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
+    with count:
+        out = block(x)
+    assert out.shape == x.shape
+    assert count.launches == {
+        "mm": 1, "route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
+    }  # fmt: skip
