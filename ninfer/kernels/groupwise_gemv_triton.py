@@ -3,14 +3,16 @@ Our own because no library reads this layout, and decode time is these kernels' 
 
 Decode reads every weight once per step, so the codes are read straight from their stored
 planes and never leave registers as floats. Two kernels:
-- up to `INT_MAX_ROWS` x rows (and the grouped expert form for MoE decode): integer dot
+- one x row (`INT_MAX_ROWS`; and the grouped expert form for MoE decode): integer dot
   products. Each group of x is first split into two int8 codes per value, x ~ s * (254 * coarse
   + fine) with s = max|x_group| / (254 * 127), which represents x to 1/64516 of its group's
   largest value (finer than bf16's own rounding). The kernel then multiplies four weight codes
   by four x codes in one dp4a instruction and sums the group in int32 exactly; a float
   multiply-add per group and row applies both scales. Turning every code into a float costs
   about three instructions per weight, which made the float form issue-bound at a third of
-  the copy rate; this form needs about one.
+  the copy rate; this form needs about one. The kernel takes up to eight x rows
+  (`integer_linear`), but at eight it measured slower than the tensor-core kernel
+  (bench/decode_kernels.md), so only one row takes it.
 - more x rows (x padded to 16 rows): codes are exact in bf16/fp16, so each group's product
   x_g · codes_g runs on the tensor cores and is scaled once per group and row afterwards. The
   q4 nibbles of a byte are values 2j and 2j+1, so they meet x's even and odd columns. Split-K
@@ -32,10 +34,11 @@ from ninfer.quant import EncodedTensor
 SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
 GROUPS_PER_STEP = 4
 # Up to this many x rows run the integer kernel; beyond it the tensor-core kernel.
-INT_MAX_ROWS = 8
-# Integer kernel: weight rows per program and 32-bit code words per step along K (for one x
-# row; fewer with more rows); groups of x per program of the split.
-INT_BLOCK_N, INT_BLOCK_WORDS, INT_WARPS = 16, 128, 4
+INT_MAX_ROWS = 1
+# Integer kernel: weight rows per program (fewer where N is small), code words a program reads
+# per step (over its rows and x rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU
+# machine, bench/decode_kernels.md), warps; groups of x per program of the split.
+INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 SPLIT_BLOCK_GROUPS = 16
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
 FINE = tl.constexpr(254)
@@ -346,13 +349,12 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
 
 def _int_config(block_m: int, num_rows: int, out_blocks: int, device: torch.device):
     """(rows per program, words per step): INT_BLOCK_N halved while the grid would not give
-    every SM four programs; fewer words per step for more x rows (their int sums stay in
-    registers)."""
+    every SM four programs; then INT_STEP_WORDS spread over the rows and x rows."""
     sms = num_sms(device)
     block_n = INT_BLOCK_N
     while block_n > 4 and triton.cdiv(num_rows, block_n) * out_blocks < 4 * sms:
         block_n //= 2
-    return block_n, max(8, INT_BLOCK_WORDS // block_m)
+    return block_n, max(8, INT_STEP_WORDS // (block_n * block_m))
 
 
 def _int_linear(
@@ -376,7 +378,7 @@ def _int_linear(
     num_words = words.shape[-1]
     num_groups = scales.shape[-1]
     x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
-    block_m = 1 if gather else min(INT_MAX_ROWS, next_power_of_2(x.shape[0]))
+    block_m = 1 if gather else min(8, next_power_of_2(x.shape[0]))
     out_blocks = out_rows if gather else triton.cdiv(out_rows, block_m)
     block_n, block_words = _int_config(block_m, num_rows, out_blocks, x.device)
     words_per_group = group * bits // 32
@@ -428,6 +430,13 @@ def grouped_groupwise_linear(
     expert ids are read on the device, so the call has fixed shapes (CUDA-graph safe)."""
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     return _int_linear(x, codes, scales, weight.shape[1], bits, group, x_rows, experts)
+
+
+def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """`groupwise_linear` through the integer kernel whatever the rows (up to eight per
+    program column)."""
+    bits, group, codes, scales = _unit_stride_planes(x, weight)
+    return _int_linear(x, codes, scales, weight.shape[0], bits, group)
 
 
 def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:

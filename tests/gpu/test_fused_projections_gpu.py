@@ -30,12 +30,13 @@ BF16 = torch.bfloat16
 @pytest.mark.parametrize("tokens", [1, 8, 4096])
 def test_gdn_gates_at_the_27b_shape(tokens):
     """g within the GPU's exp (ex2.approx after scaling by log2 e, error growing with |x|),
-    beta within one bf16 rounding step."""
+    beta within one bf16 rounding step, and in fp32 within 4 units in the last place: the
+    approximate exp and division each add up to two (3 seen over 4096 x 48 draws)."""
     from ninfer.kernels import gdn_gates_triton
 
     torch.manual_seed(tokens)
     check_gdn_gates(gdn_gates_triton, tokens, 48, BF16, "cuda", 2e-5, 1)
-    check_gdn_gates(gdn_gates_triton, tokens, 48, torch.float32, "cuda", 2e-5, 2)
+    check_gdn_gates(gdn_gates_triton, tokens, 48, torch.float32, "cuda", 2e-5, 4)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
