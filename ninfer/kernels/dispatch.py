@@ -14,6 +14,7 @@ from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import kv_write as kv_write_reference
+from ninfer.kernels import output_gate as output_gate_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
 from ninfer.kernels import rotary as rotary_reference
@@ -223,6 +224,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
         return swiglu_triton.silu_mul(gate, up)
     return swiglu_reference.silu_mul(gate, up)
+
+
+def sigmoid_gate(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated-attention output: attn * sigmoid(gate), [T, heads * head_dim]."""
+    if use_triton(attn, gate) and gate.stride(-1) == 1 and attn.dtype == gate.dtype:
+        from ninfer.kernels import output_gate_triton
+
+        return output_gate_triton.sigmoid_gate(attn, gate)
+    return output_gate_reference.sigmoid_gate(attn, gate)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

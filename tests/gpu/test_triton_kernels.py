@@ -121,6 +121,31 @@ def test_rms_norm_fused_with_residual_add_at_27b_hidden(tokens, dtype, tol):
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 4096])
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [
+        pytest.param(BF16, torch.finfo(BF16).eps, id="bf16"),
+        pytest.param(torch.float32, 1e-6, id="fp32"),
+    ],
+)
+def test_sigmoid_gate_at_27b_attention_shape(tokens, dtype, tol):
+    """The attention output gate, 24 heads of 256, gate read from q_proj's [query | gate] rows:
+    within tol * |ref| at every element (in bf16 one rounding step: exp differing from torch's
+    in the last fp32 bits flips the rounding of sigmoid or of the product at most)."""
+    from ninfer.kernels import output_gate as gate_reference
+    from ninfer.kernels import output_gate_triton
+
+    query_gate = (torch.randn(tokens, 24, 512, device="cuda") * 3).to(dtype)
+    gate = query_gate[..., 256:]
+    attn = torch.randn(tokens, 24, 256, device="cuda").to(dtype)
+    out = output_gate_triton.sigmoid_gate(attn, gate)
+    ref = gate_reference.sigmoid_gate(attn, gate)
+    assert out.shape == (tokens, 24 * 256)
+    bound = tol * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((out.float() - ref.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 4096])
 def test_gated_rms_norm(tokens):
     """The 27B GDN output norm shape, [tokens, 48 value heads, 128]. bf16 within one rounding
     step at the output's scale (finfo.eps * max|ref|): fp32 sum and rsqrt differing from torch's

@@ -5,7 +5,12 @@ M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj. Af
 import torch
 from torch import nn
 
-from ninfer.kernels.dispatch import paged_attention_decode, paged_attention_prefill, write_kv
+from ninfer.kernels.dispatch import (
+    paged_attention_decode,
+    paged_attention_prefill,
+    sigmoid_gate,
+    write_kv,
+)
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import RMSNorm
@@ -79,5 +84,4 @@ class Attention(nn.Module):
                 ctx.seq_lens,
                 scale,
             )
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.o_proj(sigmoid_gate(out, gate))
