@@ -369,7 +369,7 @@ def fuse_projections(model: nn.Module) -> list[str]:
     names. Returns the fused modules' names."""
     fused = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, (GatedDeltaNet, Attention, MLP)):
+        if isinstance(module, (GatedDeltaNet, Attention, MLP, SparseMoE)):
             fused += [f"{name}.{child}" for child in module.fuse_projections()]
     return fused
 
