@@ -195,24 +195,14 @@ def _int_dot(a, b, acc, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
     """acc + the dot product of the four bytes of a (unsigned, or signed if SIGNED_A) with the
     four signed bytes of b: one dp4a instruction on the GPU, shifts in the interpreter."""
     if ASM:
-        if SIGNED_A:
-            result = tl.inline_asm_elementwise(
-                "dp4a.s32.s32 $0, $1, $2, $3;",
-                "=r,r,r,r",
-                [a, b, acc],
-                dtype=tl.int32,
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            result = tl.inline_asm_elementwise(
-                "dp4a.u32.s32 $0, $1, $2, $3;",
-                "=r,r,r,r",
-                [a, b, acc],
-                dtype=tl.int32,
-                is_pure=True,
-                pack=1,
-            )
+        result = tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;" if SIGNED_A else "dp4a.u32.s32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [a, b, acc],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
     else:
         result = acc + tl.zeros_like(a * b)
         for i in tl.static_range(4):
