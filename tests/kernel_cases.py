@@ -401,6 +401,56 @@ def check_gdn_gates(
     assert (beta.float() - ref_beta.float()).abs().max().item() <= beta_ulps * ulp
 
 
+def check_gdn_gates_from_x(
+    module,
+    tokens: int,
+    heads: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device,
+    g_tol: float,
+    beta_ulps: int,
+) -> None:
+    """g and beta from the layer input x [T, hidden] (rows strided: a view of a wider buffer)
+    and the stacked b|a weight [2H, hidden], scaled so b and a spread like the gates case's.
+    The kernel sums in fp32, then rounds b and a to x's dtype as the product's output is, so
+    in half precision each lands on the exact product rounded, or at a rounding boundary on a
+    neighbour: g and beta must lie between the gates of the neighbours below and above (the
+    `gdn_gates` reference), widened by the gates' own `g_tol` (relative) and `beta_ulps`, and
+    g equal those of the rounded exact product within `g_tol` but for rare flips (at most
+    5 %, or one). In fp32 no rounding follows the sum: the bounds are the exact product
+    +- hidden * eps * sum |w x|, outside which no fp32 summation order lands. Measured from
+    the exact product, not from the cuBLAS one, which may reduce split-K partial sums in bf16
+    (torch's allow_bf16_reduced_precision_reduction) and so stray further from it."""
+    x = torch.randn(tokens, hidden + 8, device=device).to(dtype)[:, :hidden]
+    w_ba = (torch.randn(2 * heads, hidden, device=device) * 8 * hidden**-0.5).to(dtype)
+    A_log = (torch.randn(heads, device=device) * 0.5).to(dtype)
+    dt_bias = torch.linspace(-30, 30, heads, device=device).to(dtype)
+    g, beta = module.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
+    assert g.dtype == torch.float32 and g.shape == (tokens, heads)
+    assert beta.dtype == dtype and beta.shape == (tokens, heads)
+    exact = x.double() @ w_ba.double().T
+    if dtype == torch.float32:
+        slack = hidden * torch.finfo(dtype).eps * (x.double().abs() @ w_ba.double().abs().T)
+        below, above = (exact - slack).float(), (exact + slack).float()
+    else:
+        nearest = exact.to(dtype)
+        below = nearest.nextafter(nearest.new_tensor(-torch.inf))
+        above = nearest.nextafter(nearest.new_tensor(torch.inf))
+    g_below, beta_below = gates_reference.gdn_gates(*below.chunk(2, dim=-1), A_log, dt_bias)
+    g_above, beta_above = gates_reference.gdn_gates(*above.chunk(2, dim=-1), A_log, dt_bias)
+    g_low, g_high = torch.minimum(g_below, g_above), torch.maximum(g_below, g_above)
+    assert (g >= g_low - g_tol * g_low.abs()).all()
+    assert (g <= g_high + g_tol * g_high.abs()).all()
+    ulp = torch.finfo(dtype).eps / 2  # beta < 1: one unit in the last place is at most this
+    assert (beta.float() >= torch.minimum(beta_below, beta_above).float() - beta_ulps * ulp).all()
+    assert (beta.float() <= torch.maximum(beta_below, beta_above).float() + beta_ulps * ulp).all()
+    if dtype != torch.float32:
+        ref_g, _ = gates_reference.gdn_gates(*nearest.chunk(2, dim=-1), A_log, dt_bias)
+        differ = ((g - ref_g).abs() > g_tol * ref_g.abs()).sum().item()
+        assert differ <= max(1, 0.05 * g.numel())
+
+
 def check_fused_groupwise_linear(
     module, format_name: str, m: int, sizes: list[int], k: int, dtype: torch.dtype, device, tol
 ) -> None:

@@ -25,6 +25,7 @@ from ninfer.kernels.triton_support import HAS_TRITON, use_triton
 from ninfer.quant import EncodedTensor
 
 _HALF = (torch.bfloat16, torch.float16)
+_DENSE = (*_HALF, torch.float32)
 
 persist_triton_cache()  # compiled kernels and autotune results survive restarts
 
@@ -151,6 +152,25 @@ def gdn_gates(
     if use_triton(b, a, A_log, dt_bias) and b.stride(-1) == 1 and a.stride(-1) == 1:
         from ninfer.kernels import gdn_gates_triton as module
     return module.gdn_gates(b, a, A_log, dt_bias)
+
+
+def gdn_gates_from_x(
+    x: torch.Tensor, w_ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g fp32, beta in x's dtype) of the GDN layer from its input x [T, hidden] and the
+    stacked b|a weight [2H, hidden]: on CUDA one kernel computes the product and the gates
+    (for decode-sized T: the caller decides), else the product, its halves, `gdn_gates`."""
+    if (
+        use_triton(x, w_ba, A_log, dt_bias)
+        and x.dtype in _DENSE
+        and w_ba.dtype == x.dtype
+        and x.stride(-1) == 1
+        and w_ba.stride(-1) == 1
+    ):
+        from ninfer.kernels import gdn_gates_triton
+
+        return gdn_gates_triton.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
+    return gates_reference.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
 
 
 def causal_conv1d(

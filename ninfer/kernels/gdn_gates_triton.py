@@ -1,4 +1,5 @@
-"""Gated DeltaNet gates in Triton: beta and g of a block of tokens in one program.
+"""Gated DeltaNet gates in Triton: beta and g of a block of tokens in one program, from b and
+a or (`gdn_gates_from_x`) from the layer input with the b|a product inside.
 
 Eager torch spends about eight elementwise kernels per GDN layer on them (casts, exp, neg,
 add, softplus, mul, sigmoid), each a launch of almost no work in a decode step; this reads b
@@ -6,6 +7,11 @@ and a (the halves of the fused b|a projection, any row stride) once and writes b
 fp32 inside; softplus as torch computes it (x above 20 passes through, else log1p(exp(x)),
 log1p in the accurate form log(u) * x / (u - 1), u = 1 + x, since Triton has no log1p).
 Reference: `gdn_gates.gdn_gates` (same signature).
+
+`gdn_gates_from_x` also computes b and a, the dot products of the layer input with the b|a
+weight, for decode-sized batches: cuBLAS runs that tiny product (2H rows) as a split-K GEMM
+and a reduce, so b|a product and gates took three launches; here they take one. It lives here
+to share the gate arithmetic with the kernel above. Reference: `gdn_gates.gdn_gates_from_x`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,31 @@ from ninfer.kernels.triton_support import next_power_of_2
 
 # Tokens per program at most (decode steps take fewer: the next power of two of T).
 BLOCK_T = 16
+
+# gdn_gates_from_x: one program per token and b|a weight row. beta needs only b and g only a,
+# so a row is a whole job; 2H rows per token spread over 96 programs at the 27B shape (48
+# heads) and 64 at 35B-A3B (32), against 132 SMs, each reading hidden x 2 bytes (10 KB at
+# hidden 5120). Two rows per program would halve that spread for no saving: x is shared
+# through L1/L2 anyway.
+ROWS_PER_PROGRAM = 1
+# Columns per step of the dot product: with 4 warps one 16-byte load of bf16 per thread and
+# row. The hidden size is a compile-time constant and the steps are unrolled, so all of a
+# row's loads can be in flight at once (5 steps at hidden 5120, 2 at 2048) instead of one
+# memory round trip per step.
+BLOCK_K = 1024
+PROJ_NUM_WARPS = 4
+
+
+@triton.jit
+def _log_decay(a, A_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias), all fp32."""
+    x = a + dt_bias
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    rounded = u == 1.0  # e below half an ulp of 1: log1p(e) is e
+    log1p = tl.where(rounded, e, tl.log(u) * (e / tl.where(rounded, 1.0, u - 1.0)))
+    softplus = tl.where(x > 20.0, x, log1p)
+    return -tl.exp(A_log) * softplus
 
 
 @triton.jit
@@ -44,13 +75,7 @@ def _gdn_gates_kernel(
     a = tl.load(a_ptr + rows * stride_a + heads[None, :], mask=mask, other=0.0).to(tl.float32)
     A_log = tl.load(A_log_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
-    x = a + dt_bias[None, :]
-    e = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + e
-    rounded = u == 1.0  # e below half an ulp of 1: log1p(e) is e
-    log1p = tl.where(rounded, e, tl.log(u) * (e / tl.where(rounded, 1.0, u - 1.0)))
-    softplus = tl.where(x > 20.0, x, log1p)
-    g = -tl.exp(A_log)[None, :] * softplus
+    g = _log_decay(a, A_log[None, :], dt_bias[None, :])
     beta = tl.sigmoid(b)
     out = rows * H + heads[None, :]
     tl.store(g_ptr + out, g, mask=mask)
@@ -83,5 +108,82 @@ def gdn_gates(
             BLOCK_T=block_t,
             BLOCK_H=block_h,
             num_warps=max(1, min(4, block_t * block_h // 256)),
+        )
+    return g, beta
+
+
+@triton.jit
+def _gdn_gates_from_x_kernel(
+    x_ptr,
+    w_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    g_ptr,
+    beta_ptr,
+    H,
+    stride_x,
+    stride_w,
+    HIDDEN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < 2 * H
+    x_row = x_ptr + token * stride_x
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_K], dtype=tl.float32)
+    for start in tl.static_range(0, HIDDEN, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_mask = cols < HIDDEN
+        x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += w * x[None, :]
+    # Rounded to x's dtype as the linear's output is, so the gates see the reference's b and a
+    # up to the fp32 summation order.
+    ba = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    is_b = rows < H
+    is_a = row_mask & ~is_b
+    heads = tl.where(is_b, rows, rows - H)
+    out = token * H + heads
+    tl.store(beta_ptr + out, tl.sigmoid(ba).to(beta_ptr.dtype.element_ty), mask=is_b)
+    A_log = tl.load(A_log_ptr + heads, mask=is_a, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + heads, mask=is_a, other=0.0).to(tl.float32)
+    tl.store(g_ptr + out, _log_decay(ba, A_log, dt_bias), mask=is_a)
+
+
+def gdn_gates_from_x(
+    x: torch.Tensor, w_ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `gdn_gates.gdn_gates_from_x`; x and w_ba of one dtype with unit
+    stride along hidden. Meant for decode-sized T: each token re-reads the whole weight."""
+    tokens, hidden = x.shape
+    rows = w_ba.shape[0]
+    if w_ba.shape[1] != hidden or rows % 2:
+        raise ValueError(f"b|a weight {tuple(w_ba.shape)} does not match hidden size {hidden}")
+    if x.stride(1) != 1 or w_ba.stride(1) != 1:
+        raise ValueError("gdn gates from x need unit stride along hidden")
+    if w_ba.dtype != x.dtype:
+        raise ValueError(f"b|a weight in {w_ba.dtype}, input in {x.dtype}")
+    heads = rows // 2
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
+    beta = torch.empty(tokens, heads, dtype=x.dtype, device=x.device)
+    if tokens:
+        _gdn_gates_from_x_kernel[(tokens, triton.cdiv(rows, ROWS_PER_PROGRAM))](
+            x,
+            w_ba,
+            A_log,
+            dt_bias,
+            g,
+            beta,
+            heads,
+            x.stride(0),
+            w_ba.stride(0),
+            HIDDEN=hidden,
+            BLOCK_ROWS=ROWS_PER_PROGRAM,
+            BLOCK_K=BLOCK_K,
+            num_warps=PROJ_NUM_WARPS,
         )
     return g, beta

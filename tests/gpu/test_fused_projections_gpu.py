@@ -1,5 +1,6 @@
 """The fused decode projections on the GPU: the GDN gates kernel at the Qwen3.5-27B shape
-(48 value heads: the fused b|a product is [T, 96]), the GEMV over encoded weights stacked by
+(48 value heads: the fused b|a product is [T, 96]), the gates kernel with the b|a product
+inside at the 27B and 35B-A3B shapes, the GEMV over encoded weights stacked by
 rows at the 27B projection shapes, `FusedLinear` (one product at decode, parts at prefill)
 against the unfused linears, and a quantized model fused and unfused."""
 
@@ -7,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import check_fused_groupwise_linear, check_gdn_gates, relative_error
+from kernel_cases import (
+    check_fused_groupwise_linear,
+    check_gdn_gates,
+    check_gdn_gates_from_x,
+    relative_error,
+)
 from torch import nn
 
 import ninfer
@@ -37,6 +43,22 @@ def test_gdn_gates_at_the_27b_shape(tokens):
     torch.manual_seed(tokens)
     check_gdn_gates(gdn_gates_triton, tokens, 48, BF16, "cuda", 2e-5, 1)
     check_gdn_gates(gdn_gates_triton, tokens, 48, torch.float32, "cuda", 2e-5, 4)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+@pytest.mark.parametrize(("heads", "hidden"), [(48, 5120), (32, 2048)], ids=["27b", "35b-a3b"])
+@pytest.mark.parametrize(
+    ("dtype", "beta_ulps"),
+    [pytest.param(BF16, 1, id="bf16"), pytest.param(torch.float32, 4, id="fp32")],
+)
+def test_gdn_gates_from_x_at_the_model_shapes(heads, hidden, tokens, dtype, beta_ulps):
+    """Within one rounding step of b and a of the exact product (`check_gdn_gates_from_x` says
+    why not of cuBLAS's), with the gates kernel's own tolerances on the GPU
+    (`test_gdn_gates_at_the_27b_shape`)."""
+    from ninfer.kernels import gdn_gates_triton
+
+    torch.manual_seed(tokens + hidden)
+    check_gdn_gates_from_x(gdn_gates_triton, tokens, heads, hidden, dtype, "cuda", 2e-5, beta_ulps)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])

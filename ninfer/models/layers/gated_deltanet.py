@@ -1,7 +1,8 @@
 """Gated DeltaNet mixer: projections, causal conv (window carried in a state slot) + SiLU,
 gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for decode),
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
-in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights)."""
+in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
+the GPU a decode step then computes the b|a product inside the gates kernel."""
 
 import torch
 from torch import nn
@@ -10,11 +11,18 @@ from ninfer.kernels.dispatch import (
     causal_conv1d,
     chunk_gated_delta_rule,
     gdn_gates,
+    gdn_gates_from_x,
     recurrent_gated_delta_rule,
 )
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import GatedRMSNorm
+
+# Up to this many tokens (decode batches, speculative verification) the gates kernel computes
+# the dense b|a product itself, one program per token and weight row, saving the product's
+# launches; each token then re-reads the 2H x hidden weight, so prefill-sized batches keep the
+# matmul (which reads it once) and the gates kernel.
+GATES_FROM_X_MAX_TOKENS = 16
 
 
 class GatedDeltaNet(nn.Module):
@@ -61,16 +69,31 @@ class GatedDeltaNet(nn.Module):
         }
         return [name for name, parts in pairs.items() if fuse_into(self, name, parts)]
 
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g fp32, beta) of each token and value head. Off the CPU, with b and a stacked dense,
+        decode-sized batches take one kernel for product and gates; the CPU, the reference
+        path, keeps its per-part products (`FusedLinear` says why)."""
+        fused = self.in_proj_ba
+        if (
+            fused is not None
+            and type(fused.linear) is nn.Linear
+            and x.device.type != "cpu"
+            and x.shape[0] <= GATES_FROM_X_MAX_TOKENS
+        ):
+            return gdn_gates_from_x(x, fused.linear.weight, self.A_log, self.dt_bias)
+        if fused is None:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        else:
+            b, a = fused(x)
+        return gdn_gates(b, a, self.A_log, self.dt_bias)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         if self.in_proj_qkvz is None:
             mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         else:
             mixed_qkv, z = self.in_proj_qkvz(x)
-        if self.in_proj_ba is None:
-            b, a = self.in_proj_b(x), self.in_proj_a(x)
-        else:
-            b, a = self.in_proj_ba(x)
+        g, beta = self.gates(x)
         mixed = causal_conv1d(
             mixed_qkv,
             self.conv1d.weight[:, 0],
@@ -82,7 +105,6 @@ class GatedDeltaNet(nn.Module):
         query = query.view(tokens, self.num_key_heads, self.key_head_dim)
         key = key.view(tokens, self.num_key_heads, self.key_head_dim)
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
-        g, beta = gdn_gates(b, a, self.A_log, self.dt_bias)
 
         rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
         out = rule(

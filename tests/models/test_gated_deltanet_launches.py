@@ -1,0 +1,88 @@
+"""What a GDN layer launches per forward, on the CUDA path traced on the meta device (non-view
+aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): decode-sized
+batches compute the stacked dense b|a product inside the gates kernel, prefill-sized ones keep
+the product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and
+a reduce at batch 1 (one aten mm, two launches), so the gates take one launch where they took
+three."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_moe_block import LaunchCount
+from torch import nn
+
+from ninfer.kernels import gdn_gates as gates_reference
+from ninfer.models.layers import gated_deltanet, norms
+from ninfer.models.layers.gated_deltanet import GATES_FROM_X_MAX_TOKENS, GatedDeltaNet
+
+HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV = 64, 2, 4, 16, 4
+
+
+def traced_launches(monkeypatch, tokens: int) -> dict[str, int]:
+    layer = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, CONV, 1e-6, 0)
+    for param in layer.parameters():
+        nn.init.normal_(param)
+    assert layer.fuse_projections() == ["in_proj_qkvz", "in_proj_ba"]
+    layer = layer.to(device="meta", dtype=torch.bfloat16)
+    count = LaunchCount()
+
+    def gates_from_x(x, w_ba, A_log, dt_bias):
+        assert w_ba.shape == (2 * VALUE_HEADS, HIDDEN)
+        return gates_reference.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
+
+    def like_first(shaped, *args):
+        return torch.empty_like(shaped)
+
+    def rule_output(q, k, v, *args):
+        return torch.empty_like(v)
+
+    kernels = {
+        "gdn_gates_from_x": gates_from_x,
+        "gdn_gates": gates_reference.gdn_gates,
+        "causal_conv1d": like_first,
+        "recurrent_gated_delta_rule": rule_output,
+        "chunk_gated_delta_rule": rule_output,
+    }
+    for name, compute in kernels.items():
+        monkeypatch.setattr(gated_deltanet, name, count.kernel(name, compute))
+    monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("gated_rms_norm", like_first))
+    meta = {"device": "meta"}
+    ctx = SimpleNamespace(
+        is_decode=tokens <= GATES_FROM_X_MAX_TOKENS,
+        cache=SimpleNamespace(conv_window=[torch.empty(0, **meta)], gdn_state=[None]),
+        state_slots=torch.empty(tokens, dtype=torch.int32, **meta),
+        query_start=torch.empty(tokens + 1, dtype=torch.int32, **meta),
+    )
+    x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, **meta)
+    with count:
+        out = layer(x, ctx)
+    assert out.shape == x.shape
+    return dict(count.launches)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, GATES_FROM_X_MAX_TOKENS])
+def test_decode_step_computes_b_and_a_inside_the_gates_kernel(monkeypatch, tokens):
+    """Two products (q|k|v|z in, out), the gates with b|a, conv, delta rule, norm: six."""
+    assert traced_launches(monkeypatch, tokens) == {
+        "mm": 2, "gdn_gates_from_x": 1, "causal_conv1d": 1, "recurrent_gated_delta_rule": 1,
+        "gated_rms_norm": 1,
+    }  # fmt: skip
+
+
+def test_prefill_keeps_the_b_and_a_product_and_the_gates_kernel(monkeypatch):
+    assert traced_launches(monkeypatch, GATES_FROM_X_MAX_TOKENS + 1) == {
+        "mm": 3, "gdn_gates": 1, "causal_conv1d": 1, "chunk_gated_delta_rule": 1,
+        "gated_rms_norm": 1,
+    }  # fmt: skip
+
+
+def test_decode_step_without_the_fused_gates_took_the_product_and_the_gates(monkeypatch):
+    """The layer as it was before: one mm more (two cuBLAS launches at batch 1) and the gates
+    kernel, for the one gates-with-b|a kernel."""
+    monkeypatch.setattr(gated_deltanet, "GATES_FROM_X_MAX_TOKENS", 0)
+    launches = traced_launches(monkeypatch, 1)
+    assert launches["mm"] == 3 and launches["gdn_gates"] == 1
+    assert "gdn_gates_from_x" not in launches
