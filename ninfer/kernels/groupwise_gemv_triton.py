@@ -2,23 +2,21 @@
 Our own because no library reads this layout, and decode time is these kernels' time.
 
 Decode reads every weight once per step, so the codes are read straight from their stored
-planes and never leave registers as floats. For up to eight x rows, x is first split
-(`split_x`, one small launch) into two int8 codes per value, x ~ s * (254 * coarse + fine) per group with
-s = max|x_group| / (254 * 127): that represents x to 1/64516 of its group's largest value
-(finer than bf16's own rounding), and the weight codes times x's codes are exact int32 sums
-per group, scaled once per group and row by the weight's and x's scales. Three kernels:
-- one x row (`INT_MAX_ROWS`; and the grouped expert form for MoE decode): four weight codes
-  times four x codes per dp4a instruction. Turning every code into a float costs about three
-  instructions per weight, which made a float form issue-bound at a third of the copy rate;
-  this needs about one. It takes up to eight x rows (`integer_linear`), but at eight it
-  measured slower than a tensor-core kernel (bench/decode_kernels.md).
-- two to eight x rows (`INT_MMA_MAX_ROWS`): the int8 tensor cores, with the coarse codes of
-  the x rows and then their fine codes as the 16 rows of the A operand (so eight x rows fill
-  it), a group of weight codes as signed int8 B. Split-K where N is small.
+planes and never leave registers as floats. Two kernels:
+- one x row (`INT_MAX_ROWS`; and the grouped expert form for MoE decode): integer dot
+  products. Each group of x is first split into two int8 codes per value, x ~ s * (254 * coarse
+  + fine) with s = max|x_group| / (254 * 127), which represents x to 1/64516 of its group's
+  largest value (finer than bf16's own rounding). The kernel then multiplies four weight codes
+  by four x codes in one dp4a instruction and sums the group in int32 exactly; a float
+  multiply-add per group and row applies both scales. Turning every code into a float costs
+  about three instructions per weight, which made the float form issue-bound at a third of
+  the copy rate; this form needs about one. The kernel takes up to eight x rows
+  (`integer_linear`), but at eight it measured slower than the tensor-core kernel
+  (bench/decode_kernels.md), so only one row takes it.
 - more x rows (x padded to 16 rows): codes are exact in bf16/fp16, so each group's product
-  x_g · codes_g runs on the bf16 tensor cores and is scaled once per group and row afterwards.
-In both tensor-core kernels the q4 nibbles of a byte are values 2j and 2j+1, so they meet x's
-even and odd columns; split-K partials are summed at the end.
+  x_g · codes_g runs on the tensor cores and is scaled once per group and row afterwards. The
+  q4 nibbles of a byte are values 2j and 2j+1, so they meet x's even and odd columns. Split-K
+  fills the GPU when N is small; the splits' fp32 partials are summed at the end.
 Reference: `groupwise_gemv.groupwise_linear`.
 """
 
@@ -42,11 +40,6 @@ INT_MAX_ROWS = 1
 # machine, bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 SPLIT_BLOCK_GROUPS = 16
-# Up to this many x rows (and more than INT_MAX_ROWS) run the int8 tensor-core kernel: weight
-# rows per program (halved down to 16 while the grid would not give every SM four programs)
-# and bytes of codes per program step.
-INT_MMA_MAX_ROWS = 8
-INT_MMA_BLOCK_N, INT_MMA_STEP_BYTES = 64, 8192
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
 FINE = tl.constexpr(254)
 FINE_MAX = tl.constexpr(127.0)
@@ -318,87 +311,6 @@ def _groupwise_gemv_int_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
 
-@triton.jit
-def _groupwise_gemv_int_mma_kernel(
-    xq_ptr,
-    xscale_ptr,
-    codes_ptr,
-    scales_ptr,
-    partial_ptr,
-    M,
-    N,
-    num_groups,
-    groups_per_split,
-    padded_k,
-    stride_codes,
-    stride_scales,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    STEP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Up to eight x rows on the int8 tensor cores: the dot's 16 A rows are the coarse codes of
-    the x rows, then their fine codes (`split_x`, read as bytes), B is a group of weight codes
-    as signed int8, and a group's int32 products are exact; 254 * coarse + fine rows are summed
-    and scaled once per group. Partial sums of this split's groups go to partial[split]."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    a = tl.arange(0, 16)
-    a_ms = a % 8
-    a_mask = a_ms < M
-    a_rows = xq_ptr + a_ms.to(tl.int64) * (2 * padded_k) + (a // 8) * padded_k
-    level_weight = tl.where(a < 8, FINE, 1)[:, None]
-    ms = tl.arange(0, 8)
-    m_mask = ms < M
-    code_rows = codes_ptr + rows[:, None].to(tl.int64) * stride_codes
-    scale_rows = scales_ptr + rows.to(tl.int64) * stride_scales
-    first = split * groups_per_split
-    last = tl.minimum(first + groups_per_split, num_groups)
-    acc = tl.zeros([8, BLOCK_N], tl.float32)
-    for step in range(first, last, STEP):
-        for i in tl.static_range(STEP):
-            group = step + i
-            # masks must be tensors in the interpreter, so "group < last" is asked per element
-            if BITS == 4:
-                cols = group * (GROUP // 2) + tl.arange(0, GROUP // 2)
-                live = cols < last * (GROUP // 2)
-                packed = tl.load(
-                    code_rows + cols[None, :], mask=row_mask[:, None] & live[None, :], other=0
-                ).to(tl.int32)
-                low = (((packed & 15) ^ 8) - 8).to(tl.int8)
-                high = (((packed >> 4) ^ 8) - 8).to(tl.int8)
-                a_mask_g = a_mask[:, None] & live[None, :]
-                x_even = tl.load(a_rows[:, None] + cols[None, :], mask=a_mask_g, other=0)
-                x_odd = tl.load(
-                    a_rows[:, None] + padded_k // 2 + cols[None, :], mask=a_mask_g, other=0
-                )
-                part = tl.dot(x_even, tl.trans(low), out_dtype=tl.int32)
-                part = tl.dot(x_odd, tl.trans(high), part, out_dtype=tl.int32)
-            else:
-                cols = group * GROUP + tl.arange(0, GROUP)
-                live = cols < last * GROUP
-                codes = tl.load(
-                    code_rows + cols[None, :], mask=row_mask[:, None] & live[None, :], other=0
-                )
-                xs = tl.load(
-                    a_rows[:, None] + cols[None, :], mask=a_mask[:, None] & live[None, :], other=0
-                )
-                part = tl.dot(xs, tl.trans(codes), out_dtype=tl.int32)
-            sums = tl.sum(tl.reshape(part * level_weight, [2, 8, BLOCK_N]), axis=0)
-            group_live = ms * 0 + group < last
-            x_step = tl.load(
-                xscale_ptr + ms * num_groups + group, mask=m_mask & group_live, other=0.0
-            )
-            w_scale = tl.load(
-                scale_rows + group, mask=row_mask & (rows * 0 + group < last), other=0.0
-            ).to(tl.float32)
-            acc += sums.to(tl.float32) * x_step[:, None] * w_scale[None, :]
-    out = partial_ptr + (split * M + ms[:, None]) * N + rows[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & row_mask[None, :])
-
-
 def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
     """x [M, K] -> (codes [M, 2, Kp/4] int32 (coarse words, then fine words), per-group
     corrections [M, Kp/group] int32 (q4; unused for q8), per-group fine steps [M, Kp/group]
@@ -491,50 +403,6 @@ def _int_linear(
     return out
 
 
-def _int_mma_linear(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, num_rows: int, bits: int, group: int
-) -> torch.Tensor:
-    """2..8 x rows: x split once, then the int8 tensor-core kernel over codes [N, Kp*bits/8]
-    and scales [N, Kp/group]; K is split where the grid would not give every SM two programs."""
-    m = x.shape[0]
-    num_groups = scales.shape[1]
-    padded_k = num_groups * group
-    x_codes, _, steps = split_x(x, bits, group, padded_k)
-    sms = num_sms(x.device)
-    block_n = INT_MMA_BLOCK_N
-    while block_n > 16 and triton.cdiv(num_rows, block_n) < 4 * sms:
-        block_n //= 2
-    step = max(1, INT_MMA_STEP_BYTES // (block_n * group * bits // 8))
-    n_blocks = triton.cdiv(num_rows, block_n)
-    steps_total = triton.cdiv(num_groups, step)
-    splits = max(1, min(steps_total, triton.cdiv(2 * sms, n_blocks)))
-    groups_per_split = triton.cdiv(steps_total, splits) * step
-    splits = triton.cdiv(num_groups, groups_per_split)
-    partial = torch.empty(splits, m, num_rows, dtype=torch.float32, device=x.device)
-    _groupwise_gemv_int_mma_kernel[(n_blocks, splits)](
-        x_codes.view(torch.int8),
-        steps,
-        codes,
-        scales,
-        partial,
-        m,
-        num_rows,
-        num_groups,
-        groups_per_split,
-        padded_k,
-        codes.stride(0),
-        scales.stride(0),
-        BITS=bits,
-        GROUP=group,
-        STEP=step,
-        BLOCK_N=block_n,
-        num_warps=4,
-    )
-    if splits == 1:
-        return partial[0].to(x.dtype)
-    return partial.sum(dim=0).to(x.dtype)
-
-
 def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor):
     """(bits, group, codes, scales) of a SUPPORTED weight, checking unit stride along K."""
     bits, group = SUPPORTED[weight.format]
@@ -569,8 +437,6 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     m = x.shape[0]
     if m <= INT_MAX_ROWS:
         return _int_linear(x, codes, scales, num_rows, bits, group)
-    if m <= INT_MMA_MAX_ROWS:
-        return _int_mma_linear(x, codes, scales, num_rows, bits, group)
     num_groups = scales.shape[1]
     block_m = min(64, max(16, next_power_of_2(m)))
     block_n = BLOCK_N[weight.format]

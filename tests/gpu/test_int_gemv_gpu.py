@@ -1,7 +1,6 @@
-"""The integer GEMVs (x split into coarse and fine int8 codes; dp4a for one x row, the int8
-tensor cores for two to eight) on the GPU at the Qwen3.5-27B projection widths (K): within
-the bf16 rounding of their output of the fp32 product of the dequantized weight (x's split
-adds under 1/64516 of a group's largest value)."""
+"""The integer GEMV (dp4a over x split into coarse and fine int8 codes) on the GPU at the
+Qwen3.5-27B projection widths (K), one to eight x rows: within the bf16 rounding of its output of the fp32 product of
+the dequantized weight (x's split adds under 1/64516 of a group's largest value)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ pytestmark = [
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("m", [1, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(2048, 5120), (512, 17408), (96, 5120)], ids=str)
 @pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
 def test_integer_gemv_at_the_27b_shapes(format_name, n, k, m):
@@ -28,9 +27,7 @@ def test_integer_gemv_at_the_27b_shapes(format_name, n, k, m):
     torch.manual_seed(m)
     integer = SimpleNamespace(groupwise_linear=groupwise_gemv_triton.integer_linear)
     check_groupwise_linear(integer, format_name, m, n, k, torch.bfloat16, "cuda", 4e-3)
-    # and what the dispatch runs for these rows: the same kernel for one row, the int8
-    # tensor-core kernel for two to eight
-    assert m <= groupwise_gemv_triton.INT_MMA_MAX_ROWS
-    check_groupwise_linear(
-        groupwise_gemv_triton, format_name, m, n, k, torch.bfloat16, "cuda", 4e-3
-    )
+    if m <= groupwise_gemv_triton.INT_MAX_ROWS:  # and the dispatch sends these rows to it
+        check_groupwise_linear(
+            groupwise_gemv_triton, format_name, m, n, k, torch.bfloat16, "cuda", 4e-3
+        )

@@ -163,22 +163,6 @@ def test_groupwise_linear_integer_kernel_matches_dequantized_product(
         check_groupwise_linear(module, format_name, m, n, k, torch.float16, "cpu", 1e-3)
 
 
-@pytest.mark.parametrize(
-    ("format_name", "n", "k"),
-    [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 24, 1000)],
-)
-@pytest.mark.parametrize("m", [2, 5, 8])
-def test_groupwise_linear_int8_tensor_core_kernel_matches_dequantized_product(
-    interpreted, format_name, n, k, m
-):
-    """Two to eight x rows take the int8 tensor-core kernel (coarse and fine codes as the 16 A
-    rows, exact int32 group sums; here with K split over programs); as exact as the one-row
-    integer kernel."""
-    module = interpreted("groupwise_gemv_triton")
-    assert module.INT_MAX_ROWS < m <= module.INT_MMA_MAX_ROWS
-    check_groupwise_linear(module, format_name, m, n, k, torch.float16, "cpu", 1e-3)
-
-
 @pytest.mark.parametrize(("format_name", "k"), [("q4_g64_fp16", 300), ("q8_g32_fp16", 200)])
 def test_x_split_into_coarse_and_fine_codes_represents_x(interpreted, format_name, k):
     """x = s * (254 * coarse + fine) within half a fine step s per value (plus the residual's
