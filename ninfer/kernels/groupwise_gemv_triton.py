@@ -13,10 +13,15 @@ planes and never leave registers as floats. Two kernels:
   the copy rate; this form needs about one. The kernel takes up to eight x rows
   (`integer_linear`), but at eight it measured slower than the tensor-core kernel
   (bench/decode_kernels.md), so only one row takes it.
-- more x rows (x padded to 16 rows): codes are exact in bf16/fp16, so each group's product
-  x_g · codes_g runs on the tensor cores and is scaled once per group and row afterwards. The
-  q4 nibbles of a byte are values 2j and 2j+1, so they meet x's even and odd columns. Split-K
-  fills the GPU when N is small; the splits' fp32 partials are summed at the end.
+- more x rows (x padded to 16 rows): each tile of BLOCK_K columns is dequantized in registers
+  as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype; a q4 byte's
+  nibbles are values 2j and 2j + 1, interleaved back with a join) and multiplied on the tensor
+  cores over the whole tile. Scaling each group's product afterwards instead (exact codes,
+  one [16 x 32] product per group) ran at 14-17 % of the copy rate at M = 8; this form runs at
+  about 27 % for q4 and 50 % for q8, and stays issue-bound (bench/decode_kernels.md). Split-K
+  fills the GPU when N is small: every split writes an fp32 partial and bumps its output
+  tile's counter, and the split that arrives last adds the partials up and writes the result,
+  so a split product is still one launch.
 Reference: `groupwise_gemv.groupwise_linear`.
 """
 
@@ -32,7 +37,6 @@ from ninfer.kernels.triton_support import next_power_of_2, num_sms
 from ninfer.quant import EncodedTensor
 
 SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
-GROUPS_PER_STEP = 4
 # Up to this many x rows run the integer kernel; beyond it the tensor-core kernel.
 INT_MAX_ROWS = 1
 # Integer kernel: weight rows per program (fewer where N is small), code words a program reads
@@ -40,14 +44,21 @@ INT_MAX_ROWS = 1
 # machine, bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 SPLIT_BLOCK_GROUPS = 16
+# Split-K arrival counters per device (a split's last program finds its tile's counter at
+# splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
+TILE_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
 FINE = tl.constexpr(254)
 FINE_MAX = tl.constexpr(127.0)
 # Triton's CPU interpreter runs no inline assembly: there the dp4a is spelled out in shifts.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Weight rows per program, per format: the faster of 64 and 128 at M = 1..8 on the GPU machine
+# Tensor-core kernel, per format: (weight rows, weight columns per tile, warps, pipeline
+# stages), and K is split while the grid would give an SM fewer than TC_PROGRAMS_PER_SM
+# programs: the fastest of 33 configurations at M = 8 and the 27B shapes on the GPU machine
 # (bench/decode_kernels.md).
-BLOCK_N = {"q8_g32_fp16": 64, "q4_g64_fp16": 128}
+TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
+TC_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -55,21 +66,30 @@ def _groupwise_gemv_kernel(
     x_ptr,
     codes_ptr,
     scales_ptr,
+    out_ptr,
     partial_ptr,
+    counters_ptr,
     M,
     N,
     K,
     num_groups,
-    groups_per_split,
+    tiles_per_split,
     stride_xm,
     stride_codes,
     stride_scales,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    STEP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
+    """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
+    dequantized in registers exactly as `EncodedTensor.decode` does (the fp32 product of code
+    and scale, rounded to x's dtype) and multiplied on the tensor cores. With SPLIT_K, program
+    (n, m, s) sums split s's tiles into partial[s]; the last split of an output tile to arrive
+    (a counter per tile, reset by it) adds up all partials and writes out."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -78,53 +98,57 @@ def _groupwise_gemv_kernel(
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = ms < M
     x_rows = x_ptr + ms[:, None] * stride_xm
-    code_rows = codes_ptr + rows[:, None].to(tl.int64) * stride_codes
-    scale_rows = scales_ptr + rows.to(tl.int64) * stride_scales
-    first = split * groups_per_split
-    last = tl.minimum(first + groups_per_split, num_groups)
+    code_rows = codes_ptr + rows[:, None, None].to(tl.int64) * stride_codes
+    scale_rows = scales_ptr + rows[:, None].to(tl.int64) * stride_scales
+    # A group's codes fill 32 bytes in both formats (q8: 32 values, q4: 64 nibbles).
+    group_bytes: tl.constexpr = GROUP * BITS // 8
+    groups_per_tile: tl.constexpr = BLOCK_K // GROUP
+    in_group = tl.arange(0, group_bytes)
+    num_tiles = tl.cdiv(num_groups, groups_per_tile)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(first, last, STEP):
-        for i in tl.static_range(STEP):
-            group = step + i
-            # masks must be tensors in the interpreter, so "group < last" is asked per element
-            if BITS == 8:
-                ks = group * GROUP + tl.arange(0, GROUP)
-                live = ks < last * GROUP
-                codes = tl.load(
-                    code_rows + ks[None, :], mask=row_mask[:, None] & live[None, :], other=0
+    for tile in tl.range(first, last, num_stages=STAGES):
+        groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
+        live = groups < num_groups
+        byte_cols = groups[:, None] * group_bytes + in_group[None, :]
+        packed = tl.load(
+            code_rows + byte_cols[None, :, :],
+            mask=row_mask[:, None, None] & live[None, :, None],
+            other=0,
+        ).to(tl.int32)
+        scale = tl.load(
+            scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
+        ).to(tl.float32)[:, :, None]
+        if BITS == 8:
+            w = packed.to(tl.float32) * scale
+        else:
+            # the low nibble of byte j is value 2j, the high nibble value 2j + 1
+            low = (((packed & 15) ^ 8) - 8).to(tl.float32) * scale
+            high = (((packed >> 4) ^ 8) - 8).to(tl.float32) * scale
+            w = tl.join(low, high)
+        w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
+        ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :], other=0.0)
+        acc = tl.dot(xs, tl.trans(w), acc)
+    out_mask = m_mask[:, None] & row_mask[None, :]
+    at = ms[:, None] * N + rows[None, :]
+    if SPLIT_K:
+        splits = tl.num_programs(2)
+        tl.store(partial_ptr + split * M * N + at, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival counts
+        counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, splits):
+                # .cg reads from L2, where the other programs' partials are
+                total += tl.load(
+                    partial_ptr + s * M * N + at, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
-                xs = tl.load(
-                    x_rows + ks[None, :],
-                    mask=m_mask[:, None] & (live & (ks < K))[None, :],
-                    other=0.0,
-                )
-                part = tl.dot(xs, tl.trans(codes.to(xs.dtype)))
-            else:
-                cols = group * (GROUP // 2) + tl.arange(0, GROUP // 2)
-                live = cols < last * (GROUP // 2)
-                packed = tl.load(
-                    code_rows + cols[None, :], mask=row_mask[:, None] & live[None, :], other=0
-                ).to(tl.int32)
-                low = ((packed & 15) ^ 8) - 8
-                high = ((packed >> 4) ^ 8) - 8
-                even = 2 * cols
-                x_even = tl.load(
-                    x_rows + even[None, :],
-                    mask=m_mask[:, None] & (live & (even < K))[None, :],
-                    other=0.0,
-                )
-                x_odd = tl.load(
-                    x_rows + even[None, :] + 1,
-                    mask=m_mask[:, None] & (live & (even + 1 < K))[None, :],
-                    other=0.0,
-                )
-                part = tl.dot(x_even, tl.trans(low.to(x_even.dtype)))
-                part = tl.dot(x_odd, tl.trans(high.to(x_odd.dtype)), part)
-            scale_mask = row_mask & (rows * 0 + group < last)
-            scale = tl.load(scale_rows + group, mask=scale_mask, other=0.0).to(tl.float32)
-            acc += part * scale[None, :]
-    out = partial_ptr + (split * M + ms[:, None]) * N + rows[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & row_mask[None, :])
+            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)
+    else:  # the result, or (split-K without counters) this split's partial
+        tl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -439,32 +463,55 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         return _int_linear(x, codes, scales, num_rows, bits, group)
     num_groups = scales.shape[1]
     block_m = min(64, max(16, next_power_of_2(m)))
-    block_n = BLOCK_N[weight.format]
+    block_n, block_k, warps, stages = TC_CONFIG[weight.format]
+    block_k = min(block_k, max(group, next_power_of_2(num_groups * group)))
     n_blocks = triton.cdiv(num_rows, block_n) * triton.cdiv(m, block_m)
-    steps = triton.cdiv(num_groups, GROUPS_PER_STEP)
-    splits = max(1, min(steps, triton.cdiv(2 * num_sms(x.device), n_blocks)))
-    groups_per_split = triton.cdiv(steps, splits) * GROUPS_PER_STEP
-    splits = triton.cdiv(num_groups, groups_per_split)
-    partial = torch.empty(splits, m, num_rows, dtype=torch.float32, device=x.device)
+    num_tiles = triton.cdiv(num_groups * group, block_k)
+    splits = max(1, min(num_tiles, triton.cdiv(TC_PROGRAMS_PER_SM * num_sms(x.device), n_blocks)))
+    tiles_per_split = triton.cdiv(num_tiles, splits)
+    splits = triton.cdiv(num_tiles, tiles_per_split)
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(m, block_m), splits)
+    out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
+    counters = _tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
+    partial = out
+    if splits > 1:
+        partial = torch.empty(splits, m, num_rows, dtype=torch.float32, device=x.device)
     _groupwise_gemv_kernel[grid](
         x,
         codes,
         scales,
+        partial if splits > 1 and counters is None else out,
         partial,
+        counters if counters is not None else out,
         m,
         num_rows,
         k,
         num_groups,
-        groups_per_split,
+        tiles_per_split,
         x.stride(0),
         codes.stride(0),
         scales.stride(0),
         BITS=bits,
         GROUP=group,
-        STEP=GROUPS_PER_STEP,
+        BLOCK_K=block_k,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=4,
+        STAGES=stages,
+        SPLIT_K=counters is not None,
+        num_warps=warps,
     )
-    return partial.sum(dim=0).to(x.dtype)
+    if splits > 1 and counters is None:
+        return partial.sum(dim=0).to(x.dtype)
+    return out
+
+
+def _tile_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed split-K counters, or None where there are too few or they would be
+    allocated inside a graph capture (then the splits' partials are summed by torch)."""
+    counters = _counters.get(device)
+    if counters is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if needed > TILE_COUNTERS or capturing:
+            return None
+        counters = _counters[device] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return counters if needed <= TILE_COUNTERS else None

@@ -144,6 +144,28 @@ def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, 
     check_groupwise_linear(module, format_name, m, 40, k, torch.float16, "cpu", 2e-3)
 
 
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("counters", [True, False], ids=["counters", "torch-sum"])
+def test_tensor_core_gemv_rounds_the_weight_as_decode_does(interpreted, format_name, counters):
+    """More than one x row: every weight becomes exactly decode's value in x's dtype (the fp32
+    product of code and scale, rounded once), so the result is the product with the decoded
+    weight up to fp32 summation order. K is split across programs (8 SMs in the interpreter); the last
+    split of each output tile sums the partials and leaves its counter at zero, or, without
+    counters (none yet inside a graph capture), torch sums them."""
+    module = interpreted("groupwise_gemv_triton")
+    if not counters:
+        module.TILE_COUNTERS = 0
+    encoded = get_format(format_name).encode(torch.randn(150, 1000) * 0.05)
+    x = torch.randn(5, 1000).half()
+    out = module.groupwise_linear(x, encoded)
+    assert out.dtype == torch.float16 and out.shape == (5, 150)
+    exact = x.float() @ encoded.decode(torch.float16).float().T
+    assert (out.float() - exact).abs().max() <= 2e-3 * exact.abs().max()
+    assert (out != exact.half()).float().mean() < 0.05
+    if counters:
+        assert module._counters and not module._counters[torch.device("cpu")].any()
+
+
 @pytest.mark.parametrize(
     ("format_name", "n", "k"),
     [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 12, 1000)],
