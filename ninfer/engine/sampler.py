@@ -45,6 +45,17 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device: through
+    pinned memory, so the copy queues behind the step's forward like any kernel. (A copy from
+    pageable memory blocks the host until the device has finished the forward, and every
+    sampler kernel after it was then launched onto an idle device.)"""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(slots=True)
 class SampleRow:
     """One row of a sampling batch: its parameters, noise key and penalty lane."""
@@ -82,7 +93,7 @@ class Sampler:
         assert logits.shape[0] == len(rows)
         device = logits.device
         params = [r.params for r in rows]
-        lanes = torch.tensor([r.lane for r in rows], dtype=torch.int64, device=device)
+        lanes = to_device([r.lane for r in rows], device, torch.int64)
         raw = logits[:, : self.vocab_size].float()
 
         out = SampleOutput(token_ids=torch.empty(0))
@@ -118,10 +129,12 @@ class Sampler:
         if bias_rows:
             scores = scores.clone()
             index = (
-                torch.tensor(bias_rows, device=raw.device),
-                torch.tensor(bias_ids, device=raw.device),
+                to_device(bias_rows, raw.device, torch.int64),
+                to_device(bias_ids, raw.device, torch.int64),
             )
-            scores.index_put_(index, torch.tensor(bias_values, device=raw.device), accumulate=True)
+            scores.index_put_(
+                index, to_device(bias_values, raw.device, torch.float32), accumulate=True
+            )
         if any(p.uses_penalties for p in params):
             counts = self.output_counts.index_select(0, lanes).float()
             presence = self._column([p.presence_penalty for p in params], raw.device)
@@ -131,7 +144,7 @@ class Sampler:
 
     @staticmethod
     def _column(values: list[float], device: torch.device) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, device, torch.float32)[:, None]
 
     def _choose(self, scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         params = [r.params for r in rows]
@@ -152,7 +165,7 @@ class Sampler:
         )
         cand_scores = cand_scores / temperature
         rank = torch.arange(cand_scores.shape[-1], device=device)[None, :]
-        removed = rank >= torch.tensor(top_k, device=device)[:, None]
+        removed = rank >= to_device(top_k, device, torch.int64)[:, None]
         cand_scores = cand_scores.masked_fill(removed, float("-inf"))
         probs = torch.softmax(cand_scores, dim=-1)
 
@@ -166,10 +179,10 @@ class Sampler:
             removed |= probs < self._column(min_p, device) * probs[:, :1]
         cand_scores = cand_scores.masked_fill(removed, float("-inf"))
 
-        keys = torch.tensor([row_key(r.seed, r.step) for r in rows], device=device)
+        keys = to_device([row_key(r.seed, r.step) for r in rows], device, torch.int64)
         noise = uniform_noise(keys, cand_ids)
         gumbel = -torch.log(-torch.log(noise))
         picked = (cand_scores + gumbel).argmax(dim=-1, keepdim=True)
         sampled_ids = cand_ids.gather(1, picked).squeeze(1)
-        greedy_rows = torch.tensor([p.is_greedy for p in params], device=device)
+        greedy_rows = to_device([p.is_greedy for p in params], device, torch.bool)
         return torch.where(greedy_rows, greedy_ids, sampled_ids)

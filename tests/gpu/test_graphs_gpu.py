@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import ninfer
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import load_core, shipped_model_path
+from ninfer.engine.graphs import SEGMENT_STARTS
 from ninfer.engine.request import GenerationRequest, SamplingParams
 from ninfer.models.layers.linear import GEMV_FORMATS, GEMV_MAX_ROWS, GroupwiseLinear
 from ninfer.quant import get_format
@@ -188,3 +189,8 @@ def test_every_batch_size_up_to_the_lanes_has_a_graph():
     )
     assert sorted(core.runner.graphs.graphs) == list(range(1, 9))
     assert core.cache.scratch_page == core.cache.num_pages
+    # each size is split into graphs at SEGMENT_STARTS (the layers the model has)
+    layers = len(core.runner.model.layers)
+    pieces = 1 + sum(start < layers for start in SEGMENT_STARTS)
+    assert pieces > 1
+    assert all(len(graphs) == pieces for graphs in core.runner.graphs.graphs.values())
