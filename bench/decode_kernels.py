@@ -38,6 +38,14 @@ HIDDEN, INTERMEDIATE = 5120, 17408
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
 GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_DIM, CONV_KERNEL = 16, 48, 128, 4
 FORMATS = ("q4_g64_fp16", "q8_g32_fp16")
+# Tensor-core GEMV settings timed at M = 8: (rows, columns per tile, warps, stages), programs
+# per SM below which K is split.
+TC_VARIANTS = (
+    ((128, 128, 4, 3), 4),
+    ((128, 128, 4, 3), 8),
+    ((64, 256, 4, 3), 4),
+    ((64, 128, 4, 4), 4),
+)
 CONV_DIM = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_VALUE_HEADS * GDN_DIM
 
 
@@ -212,13 +220,16 @@ def main() -> None:
             f"  attention waves={waves}: B=1 ctx=32768 {one * 1e3:.1f}, B=8 ctx=4096 {many * 1e3:.1f}"
         )
     paged_attention_triton.SPLIT_WAVES = 2
-    for block_n in (64, 128):
-        groupwise_gemv_triton.BLOCK_N = dict.fromkeys(FORMATS, block_n)
-        for m in (1, 8):
-            times = [bench_gemv(name, m, INTERMEDIATE, HIDDEN)[1] * 1e3 for name in FORMATS]
-            print(
-                f"  GEMV M={m} 17408x5120 BLOCK_N={block_n}: q4 {times[0]:.1f}, q8 {times[1]:.1f}"
-            )
+    tc_defaults = dict(groupwise_gemv_triton.TC_CONFIG), groupwise_gemv_triton.TC_PROGRAMS_PER_SM
+    for config, per_sm in TC_VARIANTS:
+        groupwise_gemv_triton.TC_CONFIG = dict.fromkeys(FORMATS, config)
+        groupwise_gemv_triton.TC_PROGRAMS_PER_SM = per_sm
+        times = [bench_gemv(name, 8, INTERMEDIATE, HIDDEN)[1] * 1e3 for name in FORMATS]
+        print(
+            f"  GEMV M=8 17408x5120 rows/columns/warps/stages {'/'.join(map(str, config))}, "
+            f"{per_sm} programs per SM: q4 {times[0]:.1f}, q8 {times[1]:.1f}"
+        )
+    groupwise_gemv_triton.TC_CONFIG, groupwise_gemv_triton.TC_PROGRAMS_PER_SM = tc_defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bytes_per_s": copy, "rows": table}, f, indent=1)
