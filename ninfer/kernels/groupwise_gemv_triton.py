@@ -17,8 +17,8 @@ planes and never leave registers as floats. Two kernels:
   as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype; a q4 byte's
   nibbles are values 2j and 2j + 1, interleaved back with a join) and multiplied on the tensor
   cores over the whole tile. Scaling each group's product afterwards instead (exact codes,
-  one [16 x 32] product per group) ran at 14-17 % of the copy rate at M = 8; this form runs at
-  about 27 % for q4 and 50 % for q8, and stays issue-bound (bench/decode_kernels.md). Split-K
+  one [16 x 32] product per group) ran at 14-19 % of the copy rate for q4 at M = 8; this form
+  runs at 20-28 % for q4 and about 50 % for q8, still issue-bound (bench/decode_kernels.md). Split-K
   fills the GPU when N is small: every split writes an fp32 partial and bumps its output
   tile's counter, and the split that arrives last adds the partials up and writes the result,
   so a split product is still one launch.
@@ -46,6 +46,8 @@ INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 SPLIT_BLOCK_GROUPS = 16
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
+# Products that split K share them, so they must not run at once on one device (the engine
+# runs its forward on one stream).
 TILE_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
@@ -55,8 +57,8 @@ FINE_MAX = tl.constexpr(127.0)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Tensor-core kernel, per format: (weight rows, weight columns per tile, warps, pipeline
 # stages), and K is split while the grid would give an SM fewer than TC_PROGRAMS_PER_SM
-# programs: the fastest of 33 configurations at M = 8 and the 27B shapes on the GPU machine
-# (bench/decode_kernels.md).
+# programs: within 10 % of the fastest setting swept at M = 8 at every 27B shape on the GPU
+# machine (bench/decode_kernels.md).
 TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
 TC_PROGRAMS_PER_SM = 4
 
