@@ -231,27 +231,45 @@ class DecodeGraphs:
         layers = getattr(self.model, "layers", ())
         starts = [layers[i] for i in SEGMENT_STARTS if i < len(layers)]
         graphs = [torch.cuda.CUDAGraph() for _ in range(len(starts) + 1)]
-        capturing = iter(graphs)
-        current = next(capturing)
+        index = 0
+        capturing = False
 
         def next_segment(module, args) -> None:
-            nonlocal current
-            current.capture_end()
-            current = next(capturing)
-            current.capture_begin(pool=pool)
+            nonlocal index, capturing
+            if index + 1 == len(graphs):
+                raise RuntimeError("a decoder layer that starts a decode graph ran twice")
+            graphs[index].capture_end()
+            capturing = False
+            index += 1
+            graphs[index].capture_begin(pool=pool)
+            capturing = True
 
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream())
         handles = [layer.register_forward_pre_hook(next_segment) for layer in starts]
         try:
             with torch.cuda.stream(stream):
-                current.capture_begin(pool=pool)
+                graphs[0].capture_begin(pool=pool)
+                capturing = True
                 logits = self.forward_static(size)
-                current.capture_end()
+                graphs[index].capture_end()
+                capturing = False
+        except BaseException:
+            if capturing:  # end the capture, or the stream stays unusable for what follows
+                try:
+                    graphs[index].capture_end()
+                except RuntimeError:
+                    pass
+            raise
         finally:
             for handle in handles:
                 handle.remove()
         torch.cuda.current_stream().wait_stream(stream)
+        if index + 1 != len(graphs):
+            raise RuntimeError(
+                f"decode graphs: {len(graphs) - 1 - index} decoder layers that start a piece "
+                "did not run in the forward"
+            )
         return graphs, logits
 
     def stage(self, inputs: StepInputs, size: int) -> None:

@@ -1,6 +1,6 @@
 """CUDA-graph decode on the CPU: batch sizes, padding rows and the static-buffer forward the
 graphs capture (run eagerly here), against the ordinary decode forward. The capture itself
-is tested in tests/gpu/test_graphs_gpu.py."""
+is tested in tests/gpu/test_graphs_gpu.py; here only the order of its calls into pieces."""
 
 from __future__ import annotations
 
@@ -196,3 +196,84 @@ def test_graph_memory_counts_gathered_expert_weights_only_for_dense_experts():
     encoded = graph_memory_bytes(config, 64, 4096, encoded_experts=True)
     gathered = 64 * 3 * config.moe_intermediate_size * config.hidden_size * 4
     assert dense - encoded > gathered * 0.9
+
+
+class _RecordedGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: notes when its capture begins and ends."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.name = f"g{sum(entry.startswith('new') for entry in log)}"
+        log.append(f"new {self.name}")
+
+    def capture_begin(self, pool=None) -> None:
+        self.log.append(f"begin {self.name}")
+
+    def capture_end(self) -> None:
+        self.log.append(f"end {self.name}")
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self, count: int, order: list[int]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(count))
+        self.order = order
+        self.device = torch.device("cpu")
+
+    def forward_static(self, size: int) -> torch.Tensor:
+        for i in self.order:
+            self.layers[i](torch.zeros(1))
+        return torch.zeros(size, 4)
+
+
+def _capture(monkeypatch, count: int, order: list[int]):
+    """`DecodeGraphs._capture_segments` over a model of `count` identity layers run in
+    `order`, with the CUDA capture calls recorded; returns (log, result or exception)."""
+    log: list[str] = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _RecordedGraph(log))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: _NullStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: _NullStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _NullStream())
+    model = _Layers(count, order)
+    owner = type("Owner", (), {"model": model, "forward_static": model.forward_static})()
+    try:
+        return log, DecodeGraphs._capture_segments(owner, 2, pool=None)
+    except RuntimeError as exc:
+        return log, exc
+
+
+class _NullStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_a_decode_step_is_captured_in_pieces_split_at_the_segment_layers(monkeypatch):
+    """Eight layers: pieces begin at layers 1 and 4, each capture ends before the next begins."""
+    log, (graphs, logits) = _capture(monkeypatch, 8, list(range(8)))
+    assert len(graphs) == 3 and logits.shape == (2, 4)
+    assert [entry for entry in log if not entry.startswith("new")] == [
+        "begin g0", "end g0", "begin g1", "end g1", "begin g2", "end g2",
+    ]  # fmt: skip
+    _, (graphs, _) = _capture(monkeypatch, 1, [0])  # no layer past the first: one graph
+    assert len(graphs) == 1
+
+
+@pytest.mark.parametrize(
+    ("order", "message"),
+    [([0, 1, 2, 3, 5, 6, 7], "did not run"), ([0, 1, 2, 3, 4, 4], "ran twice")],
+    ids=["layer-skipped", "layer-twice"],
+)
+def test_a_capture_that_goes_wrong_is_ended_and_reported(monkeypatch, order, message):
+    """A forward that skips a piece's first layer, or runs one twice, is an error, and no
+    capture is left open on the stream."""
+    log, result = _capture(monkeypatch, 8, order)
+    assert isinstance(result, RuntimeError) and message in str(result)
+    began = [entry.split()[1] for entry in log if entry.startswith("begin")]
+    ended = [entry.split()[1] for entry in log if entry.startswith("end")]
+    assert began == ended
