@@ -68,13 +68,6 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk = {self.prefill_chunk} must be >= 1")
         if self.idle_prefill_chunk is not None and self.idle_prefill_chunk < 1:
             raise ConfigError(f"idle_prefill_chunk = {self.idle_prefill_chunk} must be >= 1")
-
-    @property
-    def idle_chunk(self) -> int:
-        """The prompt tokens a step takes while no request decodes (`idle_prefill_chunk`)."""
-        if self.idle_prefill_chunk is None:
-            return IDLE_CHUNK_FACTOR * self.prefill_chunk
-        return max(self.prefill_chunk, self.idle_prefill_chunk)
         if self.kv_capacity != "auto":
             if not isinstance(self.kv_capacity, int) or self.kv_capacity < 1:
                 raise ConfigError(f"kv_capacity = {self.kv_capacity!r} must be tokens or 'auto'")
@@ -93,6 +86,13 @@ class EngineConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype = {self.dtype!r} must be float32, bfloat16 or float16")
+
+    @property
+    def idle_chunk(self) -> int:
+        """The prompt tokens a step takes while no request decodes (`idle_prefill_chunk`)."""
+        if self.idle_prefill_chunk is None:
+            return IDLE_CHUNK_FACTOR * self.prefill_chunk
+        return max(self.prefill_chunk, self.idle_prefill_chunk)
 
 
 def parse_kv_capacity(text: str) -> int | Literal["auto"]:

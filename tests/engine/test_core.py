@@ -13,7 +13,7 @@ from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import Completion
 from ninfer.engine.request import GenerationRequest, SamplingParams, TokenEvent
 from ninfer.engine.sequence import Status
-from ninfer.errors import ContextLengthExceeded, InvalidRequestError
+from ninfer.errors import ConfigError, ContextLengthExceeded, InvalidRequestError
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -123,6 +123,24 @@ def test_idle_prefill_chunk_follows_a_smaller_prefill_chunk_unless_set():
     assert EngineConfig(prefill_chunk=256).idle_chunk == 1024
     assert EngineConfig(prefill_chunk=256, idle_prefill_chunk=8192).idle_chunk == 8192
     assert EngineConfig(prefill_chunk=256, idle_prefill_chunk=16).idle_chunk == 256
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_capacity": 0}, "must be tokens or 'auto'"),
+        ({"max_context": 4096, "kv_capacity": 1024}, "must hold at least one request"),
+        ({"default_max_tokens": 0}, "default_max_tokens"),
+        ({"tensor_parallel": 0}, "tensor_parallel"),
+        ({"expert_parallel": True}, "expert_parallel needs"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"idle_prefill_chunk": 0}, "idle_prefill_chunk"),
+    ],
+    ids=lambda value: str(value)[:24],
+)
+def test_every_engine_setting_is_checked_at_construction(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**fields)
 
 
 def test_abort_mid_prefill_frees_pages_and_slot(make_core):
