@@ -5,7 +5,8 @@ logits: fp32 softmax, k rounds of "take the largest", renormalise, cast, and eac
 at its rank among the chosen ids, so the choices come out in id order without a sort.
 Of equal probabilities the lowest expert id is taken, as torch.topk on CUDA does (its gather
 pass writes values equal to the k-th in index order). A NaN probability ranks above all others,
-as in torch.topk, so every id written is a valid expert.
+as in torch.topk, so every id written is a valid expert. Where the shared expert is stacked
+with the routed ones, each program also writes its token's pair with it.
 Reference: `moe_routing.moe_route` (same signature)."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _moe_route_kernel(
     count,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     token = tl.program_id(0)
     ids = tl.arange(0, BLOCK_E)
@@ -60,10 +62,20 @@ def _moe_route_kernel(
         pair_experts_ptr + pair, tl.minimum(tl.maximum(ids - first, 0), count - 1), mask=chosen
     )
     tl.store(pairs_ptr + pair, pair, mask=chosen)
+    if SHARED:  # token t's pair with the shared expert, local id `count`, after all routed ones
+        shared_pair = tl.num_programs(0) * TOP_K + token
+        tl.store(pair_tokens_ptr + shared_pair, token)
+        tl.store(pair_experts_ptr + shared_pair, count)
+        tl.store(pairs_ptr + shared_pair, shared_pair)
 
 
 def moe_route(
-    logits: torch.Tensor, top_k: int, dtype: torch.dtype, first: int, count: int
+    logits: torch.Tensor,
+    top_k: int,
+    dtype: torch.dtype,
+    first: int,
+    count: int,
+    shared: bool = False,
 ) -> Routes:
     """logits [T, E] with unit stride along E (rows may be strided, e.g. a view of a stacked
     router product)."""
@@ -71,7 +83,8 @@ def moe_route(
     device = logits.device
     weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
     experts = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
-    pair_lists = torch.empty(3, tokens * top_k, dtype=torch.int32, device=device)
+    num_pairs = tokens * (top_k + 1 if shared else top_k)
+    pair_lists = torch.empty(3, num_pairs, dtype=torch.int32, device=device)
     pair_tokens, pair_experts, pairs = pair_lists.unbind(0)
     if tokens:
         _moe_route_kernel[(tokens,)](
@@ -87,6 +100,7 @@ def moe_route(
             count,
             TOP_K=top_k,
             BLOCK_E=next_power_of_2(num_experts),
+            SHARED=shared,
             num_warps=4,
         )
     return Routes(weights, experts, pair_tokens, pair_experts, pairs)

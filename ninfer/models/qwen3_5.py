@@ -365,12 +365,16 @@ def runs_quantized(device: torch.device, dtype: torch.dtype, shard: Shard) -> bo
 def fuse_projections(model: nn.Module) -> list[str]:
     """Stack the projections of every layer that read one input into one linear each, where
     their weights allow (both dense in one dtype, or both kept encoded in one format; this
-    rank's slices with tensor parallelism). Runs after loading: the weights load by their own
-    names. Returns the fused modules' names."""
+    rank's slices with tensor parallelism), and a MoE block's shared expert with its routed
+    experts where all are kept encoded alike (`SparseMoE.stack_shared_expert`). Runs after
+    loading: the weights load by their own names. Returns the fused modules' names."""
     fused = []
     for name, module in list(model.named_modules()):
         if isinstance(module, (GatedDeltaNet, Attention, MLP, SparseMoE)):
             fused += [f"{name}.{child}" for child in module.fuse_projections()]
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SparseMoE) and module.stack_shared_expert():
+            fused.append(f"{name}.experts")  # the shared expert stacked with the routed ones
     return fused
 
 

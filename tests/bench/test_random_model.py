@@ -24,8 +24,10 @@ def test_random_moe_model_keeps_its_experts_encoded(monkeypatch, weights, expect
     experts = [m for m in model.modules() if isinstance(m, GroupwiseExperts)]
     assert len(experts) == config["num_hidden_layers"]
     assert {m.format for m in experts} == {expected}
-    assert experts[0].gate_up_proj.shape == (8, 64, 64)  # [E, 2I, H]
-    assert experts[0].down_proj_scales.shape[:2] == (8, 64)  # [E, H, groups]
+    # [E, 2I, H] and [E, H, groups]: the 8 routed experts and the shared one stacked after them
+    assert experts[0].gate_up_proj.shape == (9, 64, 64)
+    assert experts[0].down_proj_scales.shape[:2] == (9, 64)
+    assert all(m.shared_local == 8 for m in experts)
     assert any(isinstance(m, GroupwiseLinear) for m in model.modules())
     assert not any(isinstance(m, Experts) for m in model.modules())
     assert executed_formats(model) == f"float32+{expected}"

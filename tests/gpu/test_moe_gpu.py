@@ -137,6 +137,8 @@ def test_quantized_moe_model_keeps_experts_encoded_and_graphs_agree(tiny_artifac
     experts = [m for m in core.runner.model.modules() if isinstance(m, GroupwiseExperts)]
     assert len(experts) == 4 and all(m.gate_up_proj_codes.is_cuda for m in experts)
     assert not any(isinstance(m, Experts) for m in core.runner.model.modules())
+    # the shared experts are stored like the routed ones (q4, same width): stacked with them
+    assert all(m.shared_local == m.num_experts for m in experts)
     requests = mixed_requests(7, 8, vocab=512)
     fields = dict(max_context=512, max_concurrency=4, prefill_chunk=128)
     assert tokens(path, requests, cuda_graph=True, **fields) == tokens(
@@ -211,10 +213,14 @@ def test_combine_kernel_matches_the_reference(num_tokens, first, count):
     assert relative_error(ours, ref) < 2**-8
 
 
-def test_encoded_moe_block_decode_replays_from_a_cuda_graph(stored_experts, monkeypatch):
-    """A whole block (stacked router, encoded experts and shared expert) at 8 tokens: captured
-    once, a replay on new inputs gives the eager result, which is within bf16 rounding of the
-    same block with routing and output computed by the torch references."""
+@pytest.mark.parametrize("stack_shared", [False, True], ids=["shared-apart", "shared-stacked"])
+def test_encoded_moe_block_decode_replays_from_a_cuda_graph(
+    stored_experts, monkeypatch, stack_shared
+):
+    """A whole block (stacked router, encoded experts and shared expert, the shared expert
+    apart or stacked with the routed ones) at 8 tokens: captured once, a replay on new inputs
+    gives the eager result, which is within bf16 rounding of the same block with routing and
+    output computed by the torch references."""
     torch.manual_seed(0)
     q4 = get_format("q4_g64_fp16")
     block = SparseMoE(HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, WIDTH).to("cuda")
@@ -229,6 +235,8 @@ def test_encoded_moe_block_decode_replays_from_a_cuda_graph(stored_experts, monk
     block.shared_expert.fuse_projections()
     block = block.to(BF16)
     assert block.fuse_projections() == ["router"]
+    if stack_shared:
+        assert block.stack_shared_expert()
     x = torch.randn(8, HIDDEN, device="cuda", dtype=BF16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -49,6 +49,26 @@ def test_routing_matches_the_reference(routing, dtype, first, count, tokens, top
     assert_same_routes(ours, routing_reference.moe_route(logits, top_k, dtype, first, count), dtype)
 
 
+@pytest.mark.parametrize(("first", "count"), HELD, ids=str)
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (5, 3)], ids=str)
+def test_routing_appends_a_pair_per_token_for_a_stacked_shared_expert(
+    routing, first, count, tokens, top_k
+):
+    """With the shared expert stacked as local expert `count`: the routed pairs as without it,
+    then pair T * k + t is token t with that expert."""
+    logits = torch.randn(tokens, 40).to(torch.float16)
+    ours = routing.moe_route(logits, top_k, torch.float16, first, count, True)
+    ref = routing_reference.moe_route(logits, top_k, torch.float16, first, count, True)
+    assert_same_routes(ours, ref, torch.float16)
+    plain = routing_reference.moe_route(logits, top_k, torch.float16, first, count)
+    routed = tokens * top_k
+    for name in ("pair_tokens", "pair_experts", "pairs"):
+        assert torch.equal(getattr(ref, name)[:routed], getattr(plain, name)), name
+    assert ref.pair_tokens[routed:].tolist() == list(range(tokens))
+    assert ref.pair_experts[routed:].tolist() == [count] * tokens
+    assert ref.pairs.tolist() == list(range(routed + tokens))
+
+
 def test_routing_reads_strided_logit_rows(routing):
     """The router and the shared expert's gate stacked in one product: logits are a view."""
     stacked = torch.randn(4, 41, dtype=torch.float16)

@@ -110,3 +110,60 @@ def test_encoded_decode_step_launches_nine_kernels(monkeypatch, tokens):
     assert count.launches == {
         "mm": 1, "route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 100])
+def test_shared_expert_stacked_with_the_routed_ones_computes_the_block(tokens):
+    """Stacked after the routed experts, the shared expert runs as one more pair per token (or,
+    over more tokens, through the stack): the block's output is unchanged but for summation
+    order, and its own module is gone."""
+    block = moe_block(encoded=True)
+    block.fuse_projections()
+    x = torch.randn(tokens, HIDDEN)
+    unstacked = block(x)
+    assert block.stack_shared_expert()
+    assert not hasattr(block, "shared_expert") and block.experts.shared_local == NUM_EXPERTS
+    assert block.experts.gate_up_proj.shape[0] == NUM_EXPERTS + 1
+    assert not block.stack_shared_expert()  # once
+    torch.testing.assert_close(block(x), unstacked, rtol=1e-5, atol=1e-6)
+
+
+def test_shared_expert_stays_apart_where_stored_otherwise():
+    """A dense shared expert, or one in another format, is not stacked."""
+    dense = moe_block(encoded=False)
+    dense.fuse_projections()
+    assert not dense.stack_shared_expert()
+    block = moe_block(encoded=True)
+    q8 = get_format("q8_g32_fp16")
+    weight = block.shared_expert.down_proj.encoded.decode(torch.float32)
+    block.shared_expert.down_proj = GroupwiseLinear(q8.encode(weight))
+    block.fuse_projections()
+    assert not block.stack_shared_expert()
+    assert hasattr(block, "shared_expert") and block.experts.shared_local is None
+    assert block.experts.gate_up_proj.shape[0] == NUM_EXPERTS
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_stacked_shared_expert_decode_step_launches_six_kernels(monkeypatch, tokens):
+    """Router, routing, two grouped GEMVs over the routed and shared pairs and their one
+    activation, the output."""
+    block = moe_block(encoded=True)
+    block.fuse_projections()
+    assert block.stack_shared_expert()
+    block = block.to(device="meta", dtype=torch.bfloat16)
+    count = LaunchCount()
+
+    def grouped(x, weight, x_rows, experts):
+        return x.new_empty(experts.shape[0], weight.shape[1])
+
+    monkeypatch.setattr(moe, "grouped_groupwise_linear", count.kernel("grouped_gemv", grouped))
+    monkeypatch.setattr(moe, "silu_mul", count.kernel("silu_mul", torch.mul))
+    monkeypatch.setattr(moe, "route_tokens", count.kernel("route", moe.route_tokens))
+    monkeypatch.setattr(moe, "combine_outputs", count.kernel("combine", moe.combine_outputs))
+    x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
+    with count:
+        out = block(x)
+    assert out.shape == x.shape
+    assert count.launches == {
+        "mm": 1, "route": 1, "grouped_gemv": 2, "silu_mul": 1, "combine": 1,
+    }  # fmt: skip

@@ -13,7 +13,11 @@ experts, where the per-expert loop would launch a dequantization and products pe
 A decode step is launch-bound, so on CUDA the routing (softmax, top-k, renormalise, the pair
 lists) and the output (weighted choices, shared expert gate, sums) are one Triton kernel each
 (`moe_routing_triton`, `moe_combine_triton`); elsewhere their torch references run, which
-compute what the eager module always has, bit for bit."""
+compute what the eager module always has, bit for bit. Where the shared expert is kept encoded
+like the routed ones, it is stacked after them at load (`SparseMoE.stack_shared_expert`) and a
+decode step runs it as one more pair per token of the two grouped GEMVs: a block is six
+launches (router, routing, two grouped GEMVs and their activation, the output) instead of
+nine."""
 
 from __future__ import annotations
 
@@ -29,7 +33,13 @@ from ninfer.kernels import moe_routing as routing_reference
 from ninfer.kernels.dispatch import grouped_groupwise_linear, groupwise_dequant, silu_mul
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.triton_support import use_triton
-from ninfer.models.layers.linear import GEMV_FORMATS, FusedLinear, encoded_linear, fuse_into
+from ninfer.models.layers.linear import (
+    GEMV_FORMATS,
+    FusedLinear,
+    GroupwiseLinear,
+    encoded_linear,
+    fuse_into,
+)
 from ninfer.models.layers.mlp import MLP
 from ninfer.quant import EncodedTensor
 
@@ -130,6 +140,8 @@ class GroupwiseExperts(RoutedExperts):
         super().__init__()
         self.first = experts.start
         self.num_experts = len(experts)
+        # local index of the shared expert once stacked after the held ones (`stack_shared`)
+        self.shared_local: int | None = None
         self.plane_names: dict[str, tuple[str, ...]] = {}
         self.stored_as: dict[str, tuple[str, str, tuple[int, ...]]] = {}
         for proj, encoded in (("gate_up_proj", gate_up), ("down_proj", down)):
@@ -167,6 +179,33 @@ class GroupwiseExperts(RoutedExperts):
             return EncodedTensor(stored.format, stored.layout, (len(held), rows, k), planes)
 
         return cls(held, held_planes(gate_up), held_planes(down))
+
+    def stack_shared(self, gate_up: EncodedTensor, down: EncodedTensor) -> bool:
+        """Stack a shared SwiGLU expert (`gate_up` [2I, H], `down` [H, I]) after the held
+        experts, as local expert `num_experts`, where it is stored like them (format, layout,
+        planes, shapes): a decode step then runs it as one more (token, expert) pair of the
+        grouped GEMVs instead of two GEMVs and an activation of its own. Returns whether it
+        was stacked. The planes are copied one at a time, so loading holds at most one plane
+        of one layer twice."""
+        if self.shared_local is not None:
+            return False
+        for proj, encoded in (("gate_up_proj", gate_up), ("down_proj", down)):
+            fmt, layout, shape = self.stored_as[proj]
+            if (encoded.format, encoded.layout, tuple(encoded.shape)) != (fmt, layout, shape[1:]):
+                return False
+            if tuple(encoded.planes) != self.plane_names[proj]:
+                return False
+        for proj, encoded in (("gate_up_proj", gate_up), ("down_proj", down)):
+            fmt, layout, (count, rows, k) = self.stored_as[proj]
+            for name, plane in encoded.planes.items():
+                stacked = getattr(self, f"{proj}_{name}")
+                shared = plane.to(stacked.device).reshape(1, rows, -1)
+                self.register_buffer(
+                    f"{proj}_{name}", torch.cat([stacked, shared]), persistent=False
+                )
+            self.stored_as[proj] = (fmt, layout, (count + 1, rows, k))
+        self.shared_local = self.num_experts
+        return True
 
     @property
     def format(self) -> str:
@@ -271,7 +310,8 @@ class GroupwiseExperts(RoutedExperts):
         """rows [P, K] sorted by expert (expert e's rows end at ends[e]) times each expert's
         `proj` weight: [P, N]. Rows past the last held expert's are left unset."""
         stacked = self._encoded(proj)
-        count, n, k = stacked.shape
+        _, n, k = stacked.shape
+        count = self.num_experts  # a stacked shared expert is not routed
         block = max(1, GROUPED_MM_BYTES // (n * k * rows.element_size()))
         whole = block >= count and ends_on_host[count] == rows.shape[0] > 0
         out = None if whole else torch.empty(rows.shape[0], n, dtype=rows.dtype, device=rows.device)
@@ -297,7 +337,11 @@ class GroupwiseExperts(RoutedExperts):
         return out
 
     def extra_repr(self) -> str:
-        return f"experts={self.first}..{self.first + self.num_experts - 1}, format={self.format}"
+        shared = ", shared expert stacked" if self.shared_local is not None else ""
+        return (
+            f"experts={self.first}..{self.first + self.num_experts - 1}, format={self.format}"
+            + shared
+        )
 
 
 def _weighted_choices(y: torch.Tensor, weights: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -395,19 +439,46 @@ class SparseMoE(nn.Module):
         their weights allow (`fuse_into`); returns the fused modules' names."""
         return ["router"] if fuse_into(self, "router", ("gate", "shared_expert_gate")) else []
 
+    def stack_shared_expert(self) -> bool:
+        """Where the experts and the shared expert are kept encoded alike (one GPU, half
+        precision, one stored format), stack the shared expert after the routed ones
+        (`GroupwiseExperts.stack_shared`) and drop its own module. Runs after
+        `fuse_projections` (the shared expert's gate and up must be one linear)."""
+        experts, shared = self.experts, getattr(self, "shared_expert", None)
+        if not isinstance(experts, GroupwiseExperts) or shared is None:
+            return False
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        if not (
+            isinstance(gate_up, FusedLinear)
+            and isinstance(gate_up.linear, GroupwiseLinear)
+            and isinstance(down, GroupwiseLinear)
+        ):
+            return False
+        if not experts.stack_shared(gate_up.linear.encoded, down.encoded):
+            return False
+        del self.shared_expert
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.router is None:
             logits, shared_gate = self.gate(x), self.shared_expert_gate(x)
         else:
             logits, shared_gate = self.router(x)
         experts = self.experts
-        routes = route_tokens(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
-        shared = self.shared_expert(x)
-        if isinstance(experts, GroupwiseExperts) and x.shape[0] <= GATHERED_MAX_TOKENS:
-            choices = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
-            choices = choices.view(x.shape[0], self.top_k, x.shape[1])
+        stacked = getattr(experts, "shared_local", None)
+        tokens = x.shape[0]
+        if isinstance(experts, GroupwiseExperts) and tokens <= GATHERED_MAX_TOKENS:
+            routes = route_tokens(
+                logits, self.top_k, x.dtype, experts.first, experts.num_experts, stacked is not None
+            )
+            outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
+            routed = tokens * self.top_k
+            if stacked is not None:
+                shared = outputs[routed:]  # the pairs of the stacked shared expert
+            else:
+                shared = self.shared_expert(x)
             return combine_outputs(
-                choices,
+                outputs[:routed].view(tokens, self.top_k, x.shape[1]),
                 routes.weights,
                 routes.experts,
                 experts.first,
@@ -415,18 +486,28 @@ class SparseMoE(nn.Module):
                 shared,
                 shared_gate,
             )
+        routes = route_tokens(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
+        if stacked is not None:
+            shared = experts.expert_mlp(stacked, x)
+        else:
+            shared = self.shared_expert(x)
         routed = experts(x, routes.experts, routes.weights)
         return routed + torch.sigmoid(shared_gate) * shared
 
 
 def route_tokens(
-    logits: torch.Tensor, top_k: int, dtype: torch.dtype, first: int, count: int
+    logits: torch.Tensor,
+    top_k: int,
+    dtype: torch.dtype,
+    first: int,
+    count: int,
+    shared: bool = False,
 ) -> Routes:
     """`moe_routing.moe_route`: the Triton kernel on CUDA, else the torch reference."""
     module = routing_reference
     if use_triton(logits) and logits.stride(-1) == 1:
         from ninfer.kernels import moe_routing_triton as module
-    return module.moe_route(logits, top_k, dtype, first, count)
+    return module.moe_route(logits, top_k, dtype, first, count, shared)
 
 
 def combine_outputs(
