@@ -471,3 +471,29 @@ def check_fused_groupwise_linear(
         part.planes = {name: plane.to(device) for name, plane in part.planes.items()}
         assert out.dtype == dtype and out.shape == (m, part.shape[0])
         assert relative_error(out, module.groupwise_linear(x, part)) < tol
+
+
+def moe_block(hidden: int, num_experts: int, top_k: int, width: int, encoded: bool):
+    """A `SparseMoE` on random weights (seed 0; the shared expert as wide as a routed one, its
+    gate and up fused); `encoded`: the experts and the shared expert's linears kept in q4."""
+    from torch import nn
+
+    from ninfer.models.layers.linear import GroupwiseLinear
+    from ninfer.models.layers.moe import GroupwiseExperts, SparseMoE
+
+    torch.manual_seed(0)
+    block = SparseMoE(hidden, num_experts, top_k, width, width)
+    for param in block.parameters():
+        nn.init.normal_(param, std=hidden**-0.5)
+    if encoded:
+        q4 = get_format("q4_g64_fp16")
+        block.experts = GroupwiseExperts(
+            range(num_experts),
+            q4.encode(block.experts.gate_up_proj.data),
+            q4.encode(block.experts.down_proj.data),
+        )
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            weight = getattr(block.shared_expert, proj).weight.data
+            setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
+    block.shared_expert.fuse_projections()
+    return block

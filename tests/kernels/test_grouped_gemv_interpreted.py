@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import check_grouped_groupwise_linear, relative_error
+from kernel_cases import check_grouped_groupwise_linear, moe_block, relative_error
 from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.models.layers import moe
-from ninfer.models.layers.linear import GroupwiseLinear
 from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
 from ninfer.quant import get_format
 
@@ -68,24 +67,10 @@ def test_moe_block_with_the_shared_expert_stacked_runs_the_kernels(
     """A block whose shared expert is stacked with the routed ones, with the routing, grouped
     GEMV and output kernels interpreted: the shared pairs read the stack's last expert, and the
     block computes what the unstacked block does on the torch references."""
-    torch.manual_seed(0)
-    hidden, width, num_experts, top_k = 128, 64, 6, 2
-    q4 = get_format("q4_g64_fp16")
-    block = moe.SparseMoE(hidden, num_experts, top_k, width, width)
-    for param in block.parameters():
-        torch.nn.init.normal_(param, std=hidden**-0.5)
-    block.experts = GroupwiseExperts(
-        range(num_experts),
-        q4.encode(block.experts.gate_up_proj.data),
-        q4.encode(block.experts.down_proj.data),
-    )
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        weight = getattr(block.shared_expert, proj).weight.data
-        setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
-    block.shared_expert.fuse_projections()
+    block = moe_block(128, 6, 2, 64, encoded=True)
     block.fuse_projections()
     block = block.half()
-    x = torch.randn(tokens, hidden).half()
+    x = torch.randn(tokens, 128).half()
     reference = block(x)
     assert block.stack_shared_expert()
     monkeypatch.setattr(moe, "grouped_groupwise_linear", gemv_triton.grouped_groupwise_linear)
