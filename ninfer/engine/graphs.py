@@ -167,7 +167,7 @@ def graph_memory_bytes(
     attention = rows * config.num_heads * max_pages * (config.head_dim + 2) * 4
     experts = 0
     if config.is_moe and encoded_experts:
-        pairs = rows * config.num_experts_per_tok
+        pairs = rows * (config.num_experts_per_tok + 1)  # and the stacked shared expert's
         experts = pairs * (3 * config.moe_intermediate_size + 2 * config.hidden_size) * 2 * 2
     elif config.is_moe:
         experts = rows * 3 * config.moe_intermediate_size * config.hidden_size * 2 * 2

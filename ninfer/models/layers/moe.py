@@ -15,9 +15,9 @@ lists) and the output (weighted choices, shared expert gate, sums) are one Trito
 (`moe_routing_triton`, `moe_combine_triton`); elsewhere their torch references run, which
 compute what the eager module always has, bit for bit. Where the shared expert is kept encoded
 like the routed ones, it is stacked after them at load (`SparseMoE.stack_shared_expert`) and a
-decode step runs it as one more pair per token of the two grouped GEMVs: a block is six
+one-token decode step runs it as one more pair of the two grouped GEMVs: a block is six
 launches (router, routing, two grouped GEMVs and their activation, the output) instead of
-nine."""
+nine (`SHARED_PAIRS_MAX_TOKENS`)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ from ninfer.quant import EncodedTensor
 
 # Tokens up to this many take the gathered (graph-safe) expert path on the GPU.
 GATHERED_MAX_TOKENS = 64
+# Up to this many tokens a stacked shared expert runs as one more pair per token of the grouped
+# GEMVs (one launch for all); over more, as a GEMV over the tokens' rows, which reads its
+# weights once where pairs read them once per token. Where the two cross is not measured yet;
+# at one token they read the same.
+SHARED_PAIRS_MAX_TOKENS = 1
 # Encoded experts over more tokens on CUDA in bf16: dequantized this many bytes of experts at a
 # time for one grouped matrix product over their tokens (bounds the transient dense weight).
 GROUPED_MM_BYTES = 256 << 20
@@ -468,13 +473,16 @@ class SparseMoE(nn.Module):
         stacked = getattr(experts, "shared_local", None)
         tokens = x.shape[0]
         if isinstance(experts, GroupwiseExperts) and tokens <= GATHERED_MAX_TOKENS:
+            in_pairs = stacked is not None and tokens <= SHARED_PAIRS_MAX_TOKENS
             routes = route_tokens(
-                logits, self.top_k, x.dtype, experts.first, experts.num_experts, stacked is not None
+                logits, self.top_k, x.dtype, experts.first, experts.num_experts, in_pairs
             )
             outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
             routed = tokens * self.top_k
-            if stacked is not None:
+            if in_pairs:
                 shared = outputs[routed:]  # the pairs of the stacked shared expert
+            elif stacked is not None:
+                shared = experts.expert_mlp(stacked, x)
             else:
                 shared = self.shared_expert(x)
             return combine_outputs(
