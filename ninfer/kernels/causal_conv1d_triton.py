@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 SPAN = 64  # tokens per prefill program (a power of two): 16 per channel block for 1024 tokens
@@ -69,7 +70,9 @@ def _causal_conv1d_kernel(
     SEARCH_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     if ONE_TOKEN_EACH:
         seq = tl.program_id(0)
         span = 0
@@ -173,5 +176,6 @@ def causal_conv1d(
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=4,
+        **pdl_options(x.device),
     )
     return out

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 ELEMENTS_PER_PROGRAM = 2048  # 16 rows of 128 per program: a 27B decode token is 3 programs
@@ -33,7 +34,9 @@ def _gated_rms_norm_kernel(
     ROUND_SCALED: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
@@ -92,5 +95,6 @@ def gated_rms_norm(
             BLOCK_ROWS=block_rows,
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl_options(x3.device),
         )
     return out

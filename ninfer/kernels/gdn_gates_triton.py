@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 # Tokens per program at most (decode steps take fewer: the next power of two of T).
@@ -65,7 +66,9 @@ def _gdn_gates_kernel(
     stride_a,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     heads = tl.arange(0, BLOCK_H)
     head_mask = heads < H
@@ -108,6 +111,7 @@ def gdn_gates(
             BLOCK_T=block_t,
             BLOCK_H=block_h,
             num_warps=max(1, min(4, block_t * block_h // 256)),
+            **pdl_options(b.device),
         )
     return g, beta
 
@@ -126,7 +130,9 @@ def _gdn_gates_from_x_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < 2 * H
@@ -185,5 +191,6 @@ def gdn_gates_from_x(
             BLOCK_ROWS=ROWS_PER_PROGRAM,
             BLOCK_K=BLOCK_K,
             num_warps=PROJ_NUM_WARPS,
+            **pdl_options(x.device),
         )
     return g, beta

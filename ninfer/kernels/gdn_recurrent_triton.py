@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
 
@@ -45,7 +46,9 @@ def _recurrent_kernel(
     RATIO: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     seq = tl.program_id(0)
     value_head = tl.program_id(1)
     key_head = value_head // RATIO
@@ -149,5 +152,6 @@ def recurrent_gated_delta_rule(
         BLOCK_K=next_power_of_2(key_dim),
         BLOCK_V=block_v,
         num_warps=4,
+        **pdl_options(q.device),
     )
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.quant import EncodedTensor
 
 SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
@@ -73,7 +74,9 @@ def _groupwise_dequant_kernel(
     SIGN_FLIP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     PER_WORD: tl.constexpr = 32 // BITS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -132,5 +135,6 @@ def groupwise_dequant(weight: EncodedTensor, dtype: torch.dtype) -> torch.Tensor
         BLOCK_N=BLOCK_N,
         BLOCK_W=block_w,
         num_warps=NUM_WARPS,
+        **pdl_options(words.device),
     )
     return out

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 from ninfer.quant import EncodedTensor
 
@@ -86,12 +87,14 @@ def _groupwise_gemv_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
     dequantized in registers exactly as `EncodedTensor.decode` does (the fp32 product of code
     and scale, rounded to x's dtype) and multiplied on the tensor cores. With SPLIT_K, program
     (n, m, s) sums split s's tiles into partial[s]; the last split of an output tile to arrive
     (a counter per tile, reset by it) adds up all partials and writes out."""
+    await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,11 +168,13 @@ def _quantize_x_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split each group of GROUP values of an x row into coarse + fine int8 codes,
     x ~ s * (254 * coarse + fine), and pack them in the weight words' value order: word t of
     parity p holds bytes i = 0..3 of values t * per_word + i * stride + p (q4: the low nibbles
     of a word are its even values, the high nibbles its odd ones)."""
+    await_inputs(PDL)
     m = tl.program_id(1).to(tl.int64)
     groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     group_mask = groups < num_groups
@@ -266,11 +271,13 @@ def _groupwise_gemv_int_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[m, rows] = W x[m] for BLOCK_M x rows, or, when GATHER (BLOCK_M = 1), out[r] =
     W[experts[r]] x[x_rows[r]]: one MoE token-expert pair per program column. Per group, the
     integer sum over codes * (FINE * coarse + fine) is exact; it is scaled once per group by
     the weight's and x's scales."""
+    await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if GATHER:
@@ -359,6 +366,7 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
         GROUP=group,
         BLOCK_G=SPLIT_BLOCK_GROUPS,
         num_warps=4,
+        **pdl_options(x.device),
     )
     return codes, corr, steps
 
@@ -425,6 +433,7 @@ def _int_linear(
         BLOCK_WORDS=block_words,
         ASM=not INTERPRETED,
         num_warps=INT_WARPS,
+        **pdl_options(x_codes.device),
     )
     return out
 
@@ -501,6 +510,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         STAGES=stages,
         SPLIT_K=counters is not None,
         num_warps=warps,
+        **pdl_options(x.device),
     )
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 
@@ -40,7 +41,9 @@ def _write_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token)
     if slot < 0:
@@ -95,4 +98,5 @@ def write_kv(
         DIM_PAD=next_power_of_2(head_dim),
         PAGE=PAGE_SIZE,
         num_warps=4,
+        **pdl_options(k.device),
     )

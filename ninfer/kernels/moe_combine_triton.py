@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 BLOCK_H = 512
@@ -37,7 +38,9 @@ def _moe_combine_kernel(
     stride_out,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -101,5 +104,6 @@ def moe_combine(
             BLOCK_H=block_h,
             num_warps=4,
             enable_fp_fusion=False,  # a fused multiply-add would skip the product's rounding
+            **pdl_options(choices.device),
         )
     return out

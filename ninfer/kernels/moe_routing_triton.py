@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.moe_routing import Routes
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 
@@ -34,7 +35,9 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0)
     ids = tl.arange(0, BLOCK_E)
     live = ids < num_experts
@@ -102,5 +105,6 @@ def moe_route(
             BLOCK_E=next_power_of_2(num_experts),
             SHARED=shared,
             num_warps=4,
+            **pdl_options(logits.device),
         )
     return Routes(weights, experts, pair_tokens, pair_experts, pairs)

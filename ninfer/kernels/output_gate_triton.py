@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+
 BLOCK = 1024
 
 
@@ -25,7 +27,9 @@ def _sigmoid_gate_kernel(
     stride_gate_head,
     stride_out,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -60,5 +64,6 @@ def sigmoid_gate(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             BLOCK=BLOCK,
             num_warps=4,
+            **pdl_options(attn_rows.device),
         )
     return out

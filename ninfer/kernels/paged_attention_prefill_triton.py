@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -57,7 +58,9 @@ def _prefill_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     head = tl.program_id(0)
     block = tl.program_id(1)
     seq = tl.load(block_seq_ptr + block)
@@ -192,5 +195,6 @@ def paged_attention_prefill(
         PAGE=PAGE_SIZE,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
+        **pdl_options(q.device),
     )
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
 LOG2E = 1.4426950408889634
@@ -49,7 +50,9 @@ def _decode_split_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,7 +118,9 @@ def _decode_merge_kernel(
     num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -202,6 +207,7 @@ def paged_attention_decode(
         PAGE=PAGE_SIZE,
         num_warps=SPLIT_WARPS,
         num_stages=2,
+        **pdl_options(q.device),
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out,
@@ -214,5 +220,6 @@ def paged_attention_decode(
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         num_warps=4,
+        **pdl_options(part_out.device),
     )
     return out

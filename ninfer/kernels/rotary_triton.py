@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 
@@ -30,7 +31,9 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HALF_PAD)
@@ -68,5 +71,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
             HEADS_PAD=next_power_of_2(num_heads),
             HALF_PAD=next_power_of_2(half),
             num_warps=4,
+            **pdl_options(x.device),
         )
     return x

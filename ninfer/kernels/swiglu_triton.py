@@ -13,13 +13,24 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+
 BLOCK = 1024
 
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_ptr, up_ptr, out_ptr, n, stride_g, stride_u, stride_o, BLOCK: tl.constexpr
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    n,
+    stride_g,
+    stride_u,
+    stride_o,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -46,5 +57,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             BLOCK=BLOCK,
             num_warps=4,
+            **pdl_options(gate2.device),
         )
     return out.view(gate.shape)

@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (Hopper and later) for our Triton kernels.
+
+A decode step is about a thousand small kernels, and between two of them the GPU idles while
+the next grid is launched and its programs are placed (about 0.7 us per kernel in the decode
+profiles, docs/performance.md). Launched with PDL, a kernel's programs are placed while the
+kernel before it still runs, and wait on the device until it has finished.
+
+The contract, kept by every kernel of ours: its first statement is `await_inputs(PDL)`, before
+any load, store or early return, so that no program reads what the kernel before it writes
+(or writes what it reads) too soon. Waiting first in every program also keeps the order
+transitive: a kernel ends only after its own predecessor has, so kernels further back have
+finished too. Kernels of other libraries (torch, cuBLAS, fla) are launched without the
+attribute and keep the stream's full ordering on both sides.
+
+`NINFER_PDL=0` launches every kernel without it (for A/B timing and debugging)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def await_inputs(PDL: tl.constexpr):
+    """Under PDL: wait until the kernel before this one in the stream has finished and its
+    writes are visible, then let the next kernel's programs be placed as SMs free up."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and _triton_has_pdl()
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The launch keywords for a kernel on `device`: PDL where the GPU (sm_90+) and Triton
+    support it and NINFER_PDL is not 0, else the kernel's PDL constant off."""
+    if device.type != "cuda" or os.environ.get("NINFER_PDL", "1") == "0":
+        return {"PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _device_has_pdl(index):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
