@@ -10,9 +10,10 @@ planes and never leave registers as floats. Two kernels:
   by four x codes in one dp4a instruction and sums the group in int32 exactly; a float
   multiply-add per group and row applies both scales. Turning every code into a float costs
   about three instructions per weight, which made the float form issue-bound at a third of
-  the copy rate; this form needs about one. The kernel takes up to eight x rows
-  (`integer_linear`), but at eight it measured slower than the tensor-core kernel
-  (bench/decode_kernels.md), so only one row takes it.
+  the copy rate; this form needs about one. A program computes rows of one x row (a second
+  dimension over x rows held them in three-dimensional tiles and ran 20-30 % slower at one
+  row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
+  once per row, so only one row takes it in decode.
 - more x rows (x padded to 16 rows): each tile of BLOCK_K columns is dequantized in registers
   as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype; a q4 byte's
   nibbles are values 2j and 2j + 1, interleaved back with a join) and multiplied on the tensor
@@ -44,6 +45,9 @@ INT_MAX_ROWS = 1
 # per step (over its rows and x rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU
 # machine, bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
+# Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
+# 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).
+INT_STAGES = 3
 SPLIT_BLOCK_GROUPS = 16
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
@@ -255,7 +259,6 @@ def _groupwise_gemv_int_kernel(
     out_ptr,
     x_rows_ptr,
     experts_ptr,
-    M,
     N,
     num_words,
     num_groups,
@@ -267,52 +270,48 @@ def _groupwise_gemv_int_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     GATHER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
+    STAGES: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[m, rows] = W x[m] for BLOCK_M x rows, or, when GATHER (BLOCK_M = 1), out[r] =
-    W[experts[r]] x[x_rows[r]]: one MoE token-expert pair per program column. Per group, the
-    integer sum over codes * (FINE * coarse + fine) is exact; it is scaled once per group by
-    the weight's and x's scales."""
+    """out[c, rows] = W x[c] for x row c = program column, or, when GATHER, out[c, rows] =
+    W[experts[c]] x[x_rows[c]] (one MoE token-expert pair per column; x_rows[c] < 0 writes
+    nothing). Per group, the integer sum over codes * (FINE * coarse + fine) is exact; it is
+    scaled once per group by the weight's and x's scales."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    col = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if GATHER:
-        ms = tl.load(x_rows_ptr + pid_m + tl.zeros([BLOCK_M], tl.int32)).to(tl.int64)
-        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-        out_rows = pid_m + tl.zeros([BLOCK_M], tl.int64)
-        m_mask = ms >= 0
+        m = tl.load(x_rows_ptr + col).to(tl.int64)
+        expert = tl.load(experts_ptr + col).to(tl.int64)
+        row_mask = (rows < N) & (m + tl.zeros([BLOCK_N], tl.int64) >= 0)
+        m = tl.maximum(m, 0)  # a padding pair reads row 0 of x and writes nothing
     else:
-        ms = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        m = col.to(tl.int64)
         expert = 0
-        out_rows = ms
-        m_mask = ms < M
+        row_mask = rows < N
     parities: tl.constexpr = 2 if BITS == 4 else 1
     words_per_group: tl.constexpr = GROUP * BITS // 32
     level = parities * num_words
-    x_words = xq_ptr + ms[:, None] * (2 * level)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
+    x_words = xq_ptr + m * (2 * level)
     word_rows = words_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_words
     scale_rows = scales_ptr + expert * stride_se + rows[:, None].to(tl.int64) * stride_scales
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=2):
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_WORDS)
         col_mask = cols < num_words
         w = tl.load(word_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :])
-        w = w[None, :, :]
-        x_mask = m_mask[:, None] & col_mask[None, :]
-        x_coarse = tl.load(x_words + cols[None, :], mask=x_mask, other=0)[:, None, :]
-        x_fine = tl.load(x_words + level + cols[None, :], mask=x_mask, other=0)[:, None, :]
+        x_coarse = tl.load(x_words + cols, mask=col_mask, other=0)[None, :]
+        x_fine = tl.load(x_words + level + cols, mask=col_mask, other=0)[None, :]
         if BITS == 4:
             low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
             high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
-            odd = x_words + num_words + cols[None, :]
-            xo_coarse = tl.load(odd, mask=x_mask, other=0)[:, None, :]
-            xo_fine = tl.load(odd + level, mask=x_mask, other=0)[:, None, :]
+            odd = x_words + num_words + cols
+            xo_coarse = tl.load(odd, mask=col_mask, other=0)[None, :]
+            xo_fine = tl.load(odd + level, mask=col_mask, other=0)[None, :]
             coarse = _int_dot(high, xo_coarse, _int_dot(low, x_coarse, 0, False, ASM), False, ASM)
             fine = _int_dot(high, xo_fine, _int_dot(low, x_fine, 0, False, ASM), False, ASM)
         else:
@@ -320,28 +319,20 @@ def _groupwise_gemv_int_kernel(
             fine = _int_dot(w, x_fine, 0, True, ASM)
         per_word = coarse * FINE + fine
         group_sums = tl.sum(
-            tl.reshape(
-                per_word,
-                [BLOCK_M, BLOCK_N, BLOCK_WORDS // words_per_group, words_per_group],
-            ),
-            axis=3,
+            tl.reshape(per_word, [BLOCK_N, BLOCK_WORDS // words_per_group, words_per_group]),
+            axis=2,
         )
         groups = start // words_per_group + tl.arange(0, BLOCK_WORDS // words_per_group)
-        group_mask = groups < num_groups
-        x_groups = ms[:, None] * num_groups + groups[None, :]
-        xg_mask = m_mask[:, None] & group_mask[None, :]
+        g_mask = groups < num_groups
+        x_groups = m * num_groups + groups
         if BITS == 4:
-            group_sums -= tl.load(corr_ptr + x_groups, mask=xg_mask, other=0)[:, None, :]
-        x_scale = tl.load(xscale_ptr + x_groups, mask=xg_mask, other=0.0)
+            group_sums -= tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
+        x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
         w_scale = tl.load(
-            scale_rows + groups[None, :],
-            mask=row_mask[:, None] & group_mask[None, :],
-            other=0.0,
+            scale_rows + groups[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0.0
         ).to(tl.float32)
-        scale = x_scale[:, None, :] * w_scale[None, :, :]
-        acc += tl.sum(group_sums.to(tl.float32) * scale, axis=2)
-    out = out_ptr + out_rows[:, None] * stride_om + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+        acc += tl.sum(group_sums.to(tl.float32) * (x_scale[None, :] * w_scale), axis=1)
+    tl.store(out_ptr + col * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
@@ -371,14 +362,14 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
     return codes, corr, steps
 
 
-def _int_config(block_m: int, num_rows: int, out_blocks: int, device: torch.device):
+def _int_config(num_rows: int, out_cols: int, device: torch.device):
     """(rows per program, words per step): INT_BLOCK_N halved while the grid would not give
-    every SM four programs; then INT_STEP_WORDS spread over the rows and x rows."""
+    every SM four programs; then INT_STEP_WORDS spread over the rows."""
     sms = num_sms(device)
     block_n = INT_BLOCK_N
-    while block_n > 4 and triton.cdiv(num_rows, block_n) * out_blocks < 4 * sms:
+    while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < 4 * sms:
         block_n //= 2
-    return block_n, max(8, INT_STEP_WORDS // (block_n * block_m))
+    return block_n, max(8, INT_STEP_WORDS // block_n)
 
 
 def _int_linear(
@@ -402,12 +393,10 @@ def _int_linear(
     num_words = words.shape[-1]
     num_groups = scales.shape[-1]
     x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
-    block_m = 1 if gather else min(8, next_power_of_2(x.shape[0]))
-    out_blocks = out_rows if gather else triton.cdiv(out_rows, block_m)
-    block_n, block_words = _int_config(block_m, num_rows, out_blocks, x.device)
+    block_n, block_words = _int_config(num_rows, out_rows, x.device)
     words_per_group = group * bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
-    _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_blocks)](
+    _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_rows)](
         x_codes,
         corr,
         steps,
@@ -416,7 +405,6 @@ def _int_linear(
         out,
         x_rows if gather else out,
         experts if gather else out,
-        x.shape[0],
         num_rows,
         num_words,
         num_groups,
@@ -428,9 +416,9 @@ def _int_linear(
         BITS=bits,
         GROUP=group,
         GATHER=gather,
-        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,
+        STAGES=INT_STAGES,
         ASM=not INTERPRETED,
         num_warps=INT_WARPS,
         **pdl_options(x_codes.device),
@@ -458,8 +446,8 @@ def grouped_groupwise_linear(
 
 
 def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
-    """`groupwise_linear` through the integer kernel whatever the rows (up to eight per
-    program column)."""
+    """`groupwise_linear` through the integer kernel whatever the rows (one x row per program
+    column)."""
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     return _int_linear(x, codes, scales, weight.shape[0], bits, group)
 
