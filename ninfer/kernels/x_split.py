@@ -6,7 +6,10 @@ when asked with a `SplitRequest`, and attach them to it; the GEMV takes attached
 own format and splits x itself otherwise, so nothing depends on them being there.
 
 Codes are trusted only while x is unchanged: a write into x, or into a view of it, after they
-were attached bumps the tensor's version and they are ignored. Importable without Triton."""
+were attached bumps the tensor's version and they are ignored. Tensors made under
+`torch.inference_mode` (the engine's forward) keep no version; there the contract is the
+model's: each producer's output goes straight to its GEMV and nothing writes into it between.
+Importable without Triton."""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ class XSplit:
     codes: torch.Tensor
     corr: torch.Tensor
     steps: torch.Tensor
-    version: int
+    version: int | None  # x's version when attached; None for an inference tensor
 
 
 def split_buffers(rows: int, width: int, group: int, device) -> tuple[torch.Tensor, ...]:
@@ -69,7 +72,7 @@ def split_buffers(rows: int, width: int, group: int, device) -> tuple[torch.Tens
 def attach(x: torch.Tensor, request: SplitRequest, buffers: tuple[torch.Tensor, ...]) -> None:
     """Mark `buffers`, just written from x's current values, as x's split."""
     codes, corr, steps = buffers
-    split = XSplit(request.bits, request.group, codes, corr, steps, x._version)
+    split = XSplit(request.bits, request.group, codes, corr, steps, _version(x))
     setattr(x, _ATTRIBUTE, split)
 
 
@@ -85,9 +88,13 @@ def attached(x: torch.Tensor, bits: int, group: int, num_groups: int) -> XSplit 
             owner, split = base, getattr(base, _ATTRIBUTE, None)
     if split is None or (split.bits, split.group) != (bits, group):
         return None
-    if split.version != owner._version or tuple(split.corr.shape) != (x.shape[0], num_groups):
+    if split.version != _version(owner) or tuple(split.corr.shape) != (x.shape[0], num_groups):
         return None
     return split
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version
 
 
 def producer_buffers(

@@ -47,3 +47,12 @@ def test_requests_name_the_integer_formats_and_the_rows_they_take():
     assert (Q4.bits, Q4.group, Q4.max_rows) == (4, 64, 1)
     q8 = SplitRequest.for_format("q8_g32_fp16", max_rows=64)
     assert q8.wanted(64, 96) and not q8.wanted(65, 96) and not q8.wanted(1, 100)
+
+
+def test_inference_tensors_carry_the_split_unversioned():
+    """The engine's forward runs under inference mode, where tensors keep no version."""
+    with torch.inference_mode():
+        x = with_split()
+        y = with_split(rows=2)
+    assert attached(x, 4, 64, 4) is not None
+    assert attached(y[:1], 4, 64, 4) is None and attached(x, 8, 32, 8) is None
