@@ -4,7 +4,11 @@ save_pretrained through tools/make_tiny_checkpoint.py) and their conversion to `
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +62,38 @@ def load_checkpoint_tensors(checkpoint_dir: Path) -> dict:
     for shard in sorted(Path(checkpoint_dir).glob("*.safetensors")):
         tensors.update(load_file(shard))
     return tensors
+
+
+def ninfer_process(*args: str, **kwargs) -> subprocess.Popen:
+    """`python -m ninfer ARGS` as a child process (text mode, unbuffered)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ninfer", *args], env=env, text=True, **kwargs)
+
+
+def _spawned_rank(parent_pid: int) -> int:
+    children = Path(f"/proc/{parent_pid}/task/{parent_pid}/children").read_text().split()
+    for pid in children:
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError(f"no spawned rank among {children}")
+
+
+def kill_a_rank_mid_run(run_args: list[str]) -> tuple[int, str, float]:
+    """Start `ninfer RUN_ARGS` (a tensor-parallel run long enough to outlast this), SIGKILL
+    its spawned rank 1 once the model has loaded, and return (exit code, stderr after the
+    kill, seconds from the kill to the exit)."""
+    import pytest
+
+    process = ninfer_process(*run_args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for line in process.stderr:
+            if line.startswith("loaded in"):
+                break
+        else:
+            pytest.fail("the run ended before loading")
+        os.kill(_spawned_rank(process.pid), signal.SIGKILL)
+        started = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        return process.returncode, err, time.monotonic() - started
+    finally:
+        process.kill()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.engine.request import GenerationRequest, SamplingParams
-from ninfer.parallel.launch import ParallelGroup, load_rank
+from ninfer.parallel.launch import ArtifactModel, ParallelGroup, load_rank
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -59,7 +59,7 @@ def run_cases(rank: int, world: int, init_method: str, cases: list[dict], out_di
             group = ParallelGroup(rank, size, device_group, control_group)
             config = engine_config(size, case["expert_parallel"])
             loaded = load_rank(
-                Path(case["path"]), config, group, torch.device("cpu"), torch.float32
+                ArtifactModel(Path(case["path"])), config, group, torch.device("cpu"), torch.float32
             )
             if rank == 0:
                 tokens = greedy_tokens(loaded, case["prompts"], case["max_tokens"])
