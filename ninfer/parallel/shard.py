@@ -152,7 +152,7 @@ class Shard:
                     key_dim + torch.arange(keys.start * dk, keys.stop * dk),
                     2 * key_dim + torch.arange(values.start * dv, values.stop * dv),
                 ]
-            )
+            ).to(full.device)
             return full.index_select(0, index)
         if kind == "gdn_value_rows":
             return full[values.start * dv : values.stop * dv]
