@@ -97,3 +97,21 @@ def kill_a_rank_mid_run(run_args: list[str]) -> tuple[int, str, float]:
         return process.returncode, err, time.monotonic() - started
     finally:
         process.kill()
+
+
+def greedy_tokens(core, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Run every prompt to `max_tokens` greedy tokens through an `EngineCore`, all at once
+    (request ids r0, r1, ...)."""
+    from ninfer.engine.request import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        outputs[f"r{i}"] = []
+        core.add(
+            GenerationRequest(prompt, params, request_id=f"r{i}", detokenize=False),
+            lambda event: outputs[event.request_id].extend(event.token_ids),
+        )
+    while core.has_work:
+        core.step()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]

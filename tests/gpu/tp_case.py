@@ -12,10 +12,10 @@ import argparse
 from pathlib import Path
 
 import torch
+from helpers import greedy_tokens
 
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.engine import load_core
-from ninfer.engine.request import GenerationRequest, SamplingParams
 
 PROMPTS = [list(range(3, 43)), [7, 8, 9], [100, 200, 300, 400, 5, 6]]
 MAX_TOKENS = 12
@@ -69,16 +69,7 @@ def main() -> None:
     core = load_core(args.model, config)
     graphs = core.runner.graphs is not None
     logits = record(core)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
-    for i, prompt in enumerate(PROMPTS):
-        tokens[f"r{i}"] = []
-        core.add(
-            GenerationRequest(prompt, params, request_id=f"r{i}", detokenize=False),
-            lambda event: tokens[event.request_id].extend(event.token_ids),
-        )
-    while core.has_work:
-        core.step()
+    tokens = {f"r{i}": t for i, t in enumerate(greedy_tokens(core, PROMPTS, MAX_TOKENS))}
     core.check_integrity()
     core.runner.close()
     torch.save({"tokens": tokens, "logits": logits, "graphs": graphs}, args.out)

@@ -9,28 +9,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers import greedy_tokens
 
 from ninfer.engine.config import EngineConfig
-from ninfer.engine.core import EngineCore
-from ninfer.engine.request import GenerationRequest, SamplingParams
 from ninfer.parallel.launch import ArtifactModel, ParallelGroup, load_rank
 
 TIMEOUT = timedelta(seconds=60)
-
-
-def greedy_tokens(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Run every prompt to `max_tokens` greedy tokens through `core`, all at once."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        outputs[f"r{i}"] = []
-        core.add(
-            GenerationRequest(prompt, params, request_id=f"r{i}", detokenize=False),
-            lambda event: outputs[event.request_id].extend(event.token_ids),
-        )
-    while core.has_work:
-        core.step()
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
 def engine_config(world: int, expert_parallel: bool) -> EngineConfig:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import convert_tiny, kill_a_rank_mid_run, ninfer_process
-from rank_cases import engine_config, greedy_tokens, run_cases
+from helpers import convert_tiny, greedy_tokens, kill_a_rank_mid_run, ninfer_process
+from rank_cases import engine_config, run_cases
 
 from ninfer.engine.engine import load_core
 from ninfer.errors import ConfigError
