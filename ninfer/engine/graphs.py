@@ -298,6 +298,17 @@ class DecodeGraphs:
         hidden = self.model(s.input_ids[:size], s.positions[:size], ctx)
         return self.model.compute_logits(hidden)
 
+    def release(self) -> None:
+        """Destroy the captured graphs now. A tensor-parallel rank must, before it destroys its
+        process group: the NCCL kernels captured in them hold the communicator, and tearing it
+        down under live graphs does not return."""
+        torch.cuda.synchronize()
+        for pieces in self.graphs.values():
+            for graph in pieces:
+                graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+
     def size_for(self, inputs: StepInputs) -> int | None:
         """The graph that runs `inputs`, or None (not a decode step, or too many sequences)."""
         if not inputs.query_lens or any(q != 1 for q in inputs.query_lens):

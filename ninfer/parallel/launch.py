@@ -185,8 +185,16 @@ class ParallelRunner(ModelRunner):
             self.channel.send_stop()
         except Exception as exc:  # a worker already gone: the watchdog reports it
             log.warning("could not stop the tensor-parallel workers: %r", exc)
+        release_graphs(self)
         if self._on_close is not None:
             self._on_close()
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Destroy a rank's decode graphs before its process group (DecodeGraphs.release)."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        runner.graphs = None
 
 
 class Worker:
@@ -205,6 +213,7 @@ class Worker:
                 for tensor in slot_tensors:
                     tensor[slot].zero_()
             self.runner.forward(inputs)
+        release_graphs(self.runner)
 
 
 def load_rank(
