@@ -3,6 +3,7 @@ subgroup of the first N ranks of one spawned gloo world, so the processes start 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -53,4 +54,25 @@ def run_cases(rank: int, world: int, init_method: str, cases: list[dict], out_di
             else:
                 loaded.serve()
         dist.barrier()
+    dist.destroy_process_group()
+
+
+def echo_steps(rank: int, init_method: str, steps: list, out_path: str) -> None:
+    """Rank 0 sends `steps` ((StepInputs fields, fresh slots) pairs) over a `StepChannel`,
+    then stop; rank 1 writes what it received to `out_path` as JSON."""
+    from ninfer.engine.runner import StepInputs
+    from ninfer.parallel.channel import StepChannel
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    channel = StepChannel(dist.new_group([0, 1], backend="gloo"))
+    if rank == 0:
+        for fields, fresh in steps:
+            channel.send(StepInputs(*fields), fresh)
+        channel.send_stop()
+    else:
+        received = []
+        while (step := channel.receive()) is not None:
+            inputs, fresh = step
+            received.append([list(dataclasses.astuple(inputs)), fresh])
+        Path(out_path).write_text(json.dumps(received))
     dist.destroy_process_group()

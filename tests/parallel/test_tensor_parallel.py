@@ -178,3 +178,33 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error(models):
     assert seconds < 30
     assert returncode != 0
     assert "error: tensor-parallel rank 1" in err and "SIGKILL" in err, err
+
+
+def test_the_step_channel_carries_short_and_long_steps(tmp_path):
+    """A decode-sized step fits the first broadcast; a long prefill step (more values than
+    FIRST) sends the rest in a second; the worker reads both back exactly, then the stop."""
+    from rank_cases import echo_steps
+
+    from ninfer.parallel.channel import FIRST
+
+    decode = [[5, 6], [10, 20], [10, 20], [1, 1], [[0], [1, 2]], [0, 1], [0, 1]], []
+    tokens = list(range(FIRST + 100))
+    prefill = (
+        [
+            tokens,
+            list(range(len(tokens))),
+            [0],
+            [len(tokens)],
+            [list(range(len(tokens) // 64 + 1))],
+            [3],
+            [len(tokens) - 1],
+        ],
+        [3],
+    )
+    steps = [decode, prefill, decode]
+    out = tmp_path / "received.json"
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(
+        echo_steps, args=(init_method, steps, str(out)), nprocs=2, start_method="spawn"
+    )
+    assert json.loads(out.read_text()) == [[list(fields), fresh] for fields, fresh in steps]
