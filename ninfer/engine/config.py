@@ -34,8 +34,8 @@ class EngineConfig:
     `dtype`/`device`: None picks bfloat16 on CUDA, float32 on CPU. `tensor_parallel`: ranks
     the model is split over (one process each; docs/parallel.md), `expert_parallel`: split the
     MoE experts whole across those ranks instead of slicing each one. `cuda_graph`: replay
-    decode steps from CUDA graphs captured at start (CUDA in bf16/fp16 with one rank; ignored
-    elsewhere); off is for debugging.
+    decode steps from CUDA graphs captured at start (CUDA in bf16/fp16, on every rank;
+    ignored elsewhere); off is for debugging.
     """
 
     max_context: int = 4096
