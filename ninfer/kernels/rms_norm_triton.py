@@ -9,8 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.groupwise_gemv_triton import split_groups
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 
 @triton.jit
@@ -28,8 +30,14 @@ def _rms_norm_kernel(
     stride_sum,
     dim,
     eps,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -47,6 +55,24 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * inv_rms * (1.0 + weight)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_BITS != 0:  # the row's integer-GEMV codes, read back as stored (x_split.py)
+        tl.debug_barrier()
+        num_groups = dim // SPLIT_GROUP
+        for first in range(0, num_groups, SPLIT_BLOCK_G):
+            groups = first + tl.arange(0, SPLIT_BLOCK_G)
+            split_groups(
+                out_ptr + row * stride_out,
+                dim,
+                num_groups,
+                groups,
+                row,
+                xq_ptr,
+                corr_ptr,
+                xscale_ptr,
+                SPLIT_BITS,
+                SPLIT_GROUP,
+                SPLIT_BLOCK_G,
+            )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -55,11 +81,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    split: SplitRequest | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `rms_norm.rms_norm`; x may be a strided view: [T, heads, dim] is read
     with both of its strides (q or k heads inside the fused q/k/v product: no copy), other
-    shapes as rows of unit stride (copied where they are not)."""
+    shapes as rows of unit stride (copied where they are not). With `split`, a [T, dim] x's
+    output carries its integer-GEMV codes (`x_split`)."""
     dim = x.shape[-1]
     if x.dim() == 3 and x.stride(-1) == 1:
         x_rows, heads, stride_x, stride_x_head = x, x.shape[1], x.stride(0), x.stride(1)
@@ -73,6 +104,8 @@ def rms_norm(
     else:
         residual_rows = _rows(residual)
         total = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device)
+    buffers = producer_buffers(split, num_rows, dim, x.device) if x.dim() == 2 else None
+    split_args, split_constants = split_launch_args(split, buffers, out)
     if num_rows:
         block = next_power_of_2(dim)
         _rms_norm_kernel[(num_rows,)](
@@ -89,10 +122,14 @@ def rms_norm(
             total.stride(0),
             dim,
             eps,
+            *split_args,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            **split_constants,
             num_warps=min(16, max(1, block // 256)),
             **pdl_options(x_rows.device),
         )
     y = out.view(x.shape)
+    if buffers is not None:
+        attach(y, split, buffers)
     return y if residual is None else (y, total.view(x.shape))
