@@ -90,6 +90,7 @@ def silu_mul(
             num_warps=4,
             **pdl_options(gate2.device),
         )
+    result = out.view(gate.shape)
     if buffers is not None:
-        attach(out, split, buffers)
-    return out.view(gate.shape)
+        attach(result, split, buffers)
+    return result

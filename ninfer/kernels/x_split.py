@@ -13,6 +13,7 @@ Importable without Triton."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,11 @@ INT_MAX_ROWS = 1
 # Groups of x one program of a split handles at a time.
 SPLIT_BLOCK_GROUPS = 16
 _ATTRIBUTE = "_ninfer_x_split"
+# The live tensors that carry a split, by device and address: a tensor's memory is its own
+# while it lives, so a contiguous view of all of it at that address shows the same values.
+_owners: weakref.WeakValueDictionary[tuple[torch.device, int], torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +80,26 @@ def attach(x: torch.Tensor, request: SplitRequest, buffers: tuple[torch.Tensor, 
     codes, corr, steps = buffers
     split = XSplit(request.bits, request.group, codes, corr, steps, _version(x))
     setattr(x, _ATTRIBUTE, split)
+    _owners[(x.device, x.data_ptr())] = x
 
 
 def attached(x: torch.Tensor, bits: int, group: int, num_groups: int) -> XSplit | None:
     """x's split in this format over `num_groups` groups per row, if one was attached to x or
-    to the tensor x views whole (a reshape of a producer's output) and x has not changed
-    since; else None."""
-    owner = x
-    split = getattr(x, _ATTRIBUTE, None)
-    base = x._base
-    if split is None and base is not None and x.is_contiguous() and base.is_contiguous():
-        if x.data_ptr() == base.data_ptr() and x.numel() == base.numel():
-            owner, split = base, getattr(base, _ATTRIBUTE, None)
-    if split is None or (split.bits, split.group) != (bits, group):
+    to a live tensor that x views whole (a reshape of a producer's output; views made under
+    inference mode do not record their base, so the owner is found by address) and x has not
+    changed since; else None."""
+    owner = x if hasattr(x, _ATTRIBUTE) else _owners.get((x.device, x.data_ptr()))
+    if owner is None:
+        return None
+    if owner is not x and not (
+        x.is_contiguous()
+        and owner.is_contiguous()
+        and x.numel() == owner.numel()
+        and x.dtype == owner.dtype
+    ):
+        return None
+    split = getattr(owner, _ATTRIBUTE)
+    if (split.bits, split.group) != (bits, group):
         return None
     if split.version != _version(owner) or tuple(split.corr.shape) != (x.shape[0], num_groups):
         return None

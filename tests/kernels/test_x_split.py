@@ -50,9 +50,13 @@ def test_requests_name_the_integer_formats_and_the_rows_they_take():
 
 
 def test_inference_tensors_carry_the_split_unversioned():
-    """The engine's forward runs under inference mode, where tensors keep no version."""
+    """The engine's forward runs under inference mode, where tensors keep no version and views
+    no base: a reshape of a producer's output is found by its address."""
     with torch.inference_mode():
         x = with_split()
         y = with_split(rows=2)
-    assert attached(x, 4, 64, 4) is not None
+        heads = torch.randn(1, 2, 128)
+        attach(heads, Q4, split_buffers(1, 256, 64, heads.device))
+        reshaped = heads.reshape(1, 256)  # records no base under inference mode
+    assert attached(x, 4, 64, 4) is not None and attached(reshaped, 4, 64, 4) is not None
     assert attached(y[:1], 4, 64, 4) is None and attached(x, 8, 32, 8) is None
