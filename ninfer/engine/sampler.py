@@ -108,8 +108,10 @@ class Sampler:
             out.logprobs = logp.gather(1, token_ids[:, None]).squeeze(1)
             if max_logprobs > 0:
                 out.top_logprobs, out.top_ids = torch.topk(logp, max_logprobs, dim=-1)
-        self.output_counts.index_put_(
-            (lanes, token_ids), torch.ones_like(token_ids, dtype=torch.int32), accumulate=True
+        # one scatter-add over the flat counts: on CUDA, index_put_ with accumulate sorts its
+        # indices first (several kernels and ~0.2 ms of host time per step on the GPU machine)
+        self.output_counts.view(-1).index_add_(
+            0, lanes * self.vocab_size + token_ids, torch.ones_like(token_ids, dtype=torch.int32)
         )
         out.token_ids = token_ids
         return out
