@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import moe_block
-from test_x_split_requests import keep_linears_in_q4
-from tiny_qwen import Runner, convert_to_artifact, load_ours, make_hf_model
+from tiny_qwen import Runner, convert_to_artifact, keep_linears_in_q4, load_ours, make_hf_model
 from triton_interpreter import require_interpreter
 
 require_interpreter()

@@ -6,27 +6,17 @@ each SwiGLU product are asked for q4 codes; with dense linears (the CPU path), n
 from __future__ import annotations
 
 import torch
-from tiny_qwen import convert_to_artifact, load_ours, make_hf_model
+from tiny_qwen import convert_to_artifact, keep_linears_in_q4, load_ours, make_hf_model
 from torch import nn
 
 from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.layers.attention import Attention
 from ninfer.models.layers.gated_deltanet import GatedDeltaNet
-from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear
 from ninfer.models.layers.mlp import MLP
 from ninfer.models.qwen3_5 import request_x_splits
 from ninfer.quant import get_format
 
 Q4 = get_format("q4_g64_fp16")
-
-
-def keep_linears_in_q4(model: nn.Module) -> None:
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, FusedLinear):
-                child.linear = GroupwiseLinear(Q4.encode(child.linear.weight.float()))
-            elif isinstance(child, nn.Linear) and name in ("o_proj", "out_proj", "down_proj"):
-                setattr(module, name, GroupwiseLinear(Q4.encode(child.weight.float())))
 
 
 def producers(model: nn.Module) -> list[tuple[str, SplitRequest | None]]:
