@@ -114,7 +114,7 @@ def gated_rms_norm(
         buffers = None
         if block_d == dim and heads % block_rows == 0:
             buffers = producer_buffers(split, tokens, heads * dim, x.device, block_rows * dim)
-        split_args, split_constants = split_launch_args(split, buffers, out)
+        split_args, split_constants = split_launch_args(split, buffers, out, block_rows * dim)
         _gated_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
             x3,
             z3,

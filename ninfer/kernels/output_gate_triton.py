@@ -77,7 +77,7 @@ def sigmoid_gate(
         attn_rows = attn_rows.contiguous()
     out = torch.empty(tokens, width, dtype=attn.dtype, device=attn.device)
     buffers = producer_buffers(split, tokens, width, out.device, BLOCK)
-    split_args, split_constants = split_launch_args(split, buffers, out)
+    split_args, split_constants = split_launch_args(split, buffers, out, BLOCK)
     if out.numel():
         _sigmoid_gate_kernel[(tokens, triton.cdiv(width, BLOCK))](
             attn_rows,

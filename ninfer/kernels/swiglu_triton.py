@@ -74,7 +74,7 @@ def silu_mul(
     buffers = None
     if gate.dim() == 2:
         buffers = producer_buffers(split, out.shape[0], n, out.device, BLOCK)
-    split_args, split_constants = split_launch_args(split, buffers, out)
+    split_args, split_constants = split_launch_args(split, buffers, out, BLOCK)
     if out.numel():
         _silu_mul_kernel[(gate2.shape[0], triton.cdiv(n, BLOCK))](
             gate2,

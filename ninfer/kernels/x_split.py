@@ -115,22 +115,29 @@ def producer_buffers(
 ) -> tuple[torch.Tensor, ...] | None:
     """The split buffers a producer of `rows` x rows of `width` values writes when asked, or
     None when it is not (no request, more rows than the GEMV takes, a partial group, or
-    programs of `block` columns that do not cover whole `SPLIT_BLOCK_GROUPS` of groups)."""
+    programs of `block` columns that do not cover a power of two of whole groups)."""
     if request is None or not request.wanted(rows, width):
         return None
-    if block is not None and block % (request.group * SPLIT_BLOCK_GROUPS):
-        return None
+    if block is not None:
+        groups = block // request.group
+        if block % request.group or groups & (groups - 1):
+            return None
     return split_buffers(rows, width, request.group, device)
 
 
 def split_launch_args(
-    request: SplitRequest | None, buffers: tuple[torch.Tensor, ...] | None, placeholder
+    request: SplitRequest | None,
+    buffers: tuple[torch.Tensor, ...] | None,
+    placeholder,
+    block: int | None = None,
 ) -> tuple[tuple, dict]:
     """The producer kernels' split arguments: (codes, corr, steps) pointers (`placeholder`
     when none are written) and their SPLIT_BITS (0: write none), SPLIT_GROUP and
-    SPLIT_BLOCK_G constants."""
+    SPLIT_BLOCK_G constants (groups split at a time: at most the groups of one program's
+    `block` columns, so that a program reads back only what it stored)."""
     if buffers is None:
         constants = {"SPLIT_BITS": 0, "SPLIT_GROUP": 64, "SPLIT_BLOCK_G": SPLIT_BLOCK_GROUPS}
         return (placeholder, placeholder, placeholder), constants
+    per_block = SPLIT_BLOCK_GROUPS if block is None else block // request.group
     constants = {"SPLIT_BITS": request.bits, "SPLIT_GROUP": request.group}
-    return buffers, constants | {"SPLIT_BLOCK_G": SPLIT_BLOCK_GROUPS}
+    return buffers, constants | {"SPLIT_BLOCK_G": min(SPLIT_BLOCK_GROUPS, per_block)}

@@ -39,6 +39,19 @@ TINY_CONFIGS: dict[str, dict] = {
         intermediate_size=48,
         tie_word_embeddings=False,
     ),
+    # every projection width a whole number of 64-value groups (x splits, kernels/x_split.py)
+    "dense_whole_groups": dict(
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+    ),
     "dense_attn_first_gqa6_odd_dims_tied": dict(
         layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
         num_attention_heads=6,
