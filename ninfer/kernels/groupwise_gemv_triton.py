@@ -47,8 +47,8 @@ from ninfer.quant import EncodedTensor
 
 SUPPORTED = INT_FORMATS
 # Integer kernel: weight rows per program (fewer where N is small), code words a program reads
-# per step (over its rows and x rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU
-# machine, bench/decode_kernels.md), warps; groups of x per program of the split.
+# per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
+# bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).

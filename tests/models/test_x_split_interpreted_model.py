@@ -16,7 +16,6 @@ require_interpreter()
 
 from ninfer.kernels import dispatch  # noqa: E402 (after the interpreter is switched on)
 from ninfer.kernels import groupwise_gemv_triton as gemv  # noqa: E402
-from ninfer.models.layers import moe  # noqa: E402
 from ninfer.models.qwen3_5 import request_x_splits  # noqa: E402
 
 
@@ -26,7 +25,6 @@ def triton_everywhere(monkeypatch):
     reference: it does not run here); returns a counter of the split kernel's calls."""
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(dispatch, "HAS_FLA", False)
-    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
     calls = {"split_x": 0}
     real = gemv.split_x
 
