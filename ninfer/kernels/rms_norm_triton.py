@@ -1,6 +1,7 @@
-"""Fused (1 + w) RMSNorm(+residual) in Triton: one program per row, fp32 inside; the residual
-sum is written once, rounded as an unfused add would round it, and the norm reads that value.
-Saves a pass over the hidden state per norm. Reference: `rms_norm.rms_norm`.
+"""Fused (1 + w) RMSNorm(+residual) in Triton: one program per row (per part of a row when it
+also writes the integer GEMV's codes of its output), fp32 inside; the residual sum is written
+once, rounded as an unfused add would round it, and the norm reads that value. Saves a pass
+over the hidden state per norm. Reference: `rms_norm.rms_norm`.
 """
 
 from __future__ import annotations
@@ -44,35 +45,38 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    own = mask  # the columns this program writes: the whole row, or its part when splitting
+    if SPLIT_BITS != 0:
+        part_width: tl.constexpr = SPLIT_GROUP * SPLIT_BLOCK_G
+        first_col = tl.program_id(1) * part_width
+        own = mask & (cols >= first_col) & (cols < first_col + part_width)
     x_row = x_ptr + (row // heads) * stride_x + (row % heads) * stride_x_head
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         total = (x + residual.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
-        tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=mask)
+        tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=own)
         x = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * inv_rms * (1.0 + weight)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-    if SPLIT_BITS != 0:  # the row's integer-GEMV codes, read back as stored (x_split.py)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=own)
+    if SPLIT_BITS != 0:  # this part's integer-GEMV codes, read back as stored (x_split.py)
         tl.debug_barrier()
-        num_groups = dim // SPLIT_GROUP
-        for first in range(0, num_groups, SPLIT_BLOCK_G):
-            groups = first + tl.arange(0, SPLIT_BLOCK_G)
-            split_groups(
-                out_ptr + row * stride_out,
-                dim,
-                num_groups,
-                groups,
-                row,
-                xq_ptr,
-                corr_ptr,
-                xscale_ptr,
-                SPLIT_BITS,
-                SPLIT_GROUP,
-                SPLIT_BLOCK_G,
-            )
+        groups = tl.program_id(1) * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
+        split_groups(
+            out_ptr + row * stride_out,
+            dim,
+            dim // SPLIT_GROUP,
+            groups,
+            row,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+            SPLIT_BLOCK_G,
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +112,14 @@ def rms_norm(
     split_args, split_constants = split_launch_args(split, buffers, out)
     if num_rows:
         block = next_power_of_2(dim)
-        _rms_norm_kernel[(num_rows,)](
+        # Splitting, the row is written in parts of SPLIT_BLOCK_G groups, one program each: one
+        # program looping over a 5120-wide row's 80 groups made each norm ~5 us longer than
+        # the norm and a separate split together (docs/performance.md, Measurement 7). Each
+        # part's program still reads the whole row for its sum of squares.
+        parts = 1
+        if buffers is not None:
+            parts = triton.cdiv(dim // split.group, split_constants["SPLIT_BLOCK_G"])
+        _rms_norm_kernel[(num_rows, parts)](
             x_rows,
             residual_rows,
             weight,

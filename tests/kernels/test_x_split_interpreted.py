@@ -89,3 +89,22 @@ def test_gemv_takes_the_attached_codes_and_gives_the_same_product(fmt, monkeypat
 
     monkeypatch.setattr(gemv, "split_x", no_split)
     assert torch.equal(gemv.integer_linear(x, weight), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("width", [2112, 5120])  # 33 groups of 64: the last part is partial
+def test_rms_norm_split_in_parts_writes_the_rows_it_writes_unsplit(fmt, width):
+    """Splitting, RMSNorm runs a program per part of the row; together they write the same
+    normed row and residual sum as the one program that does not split, and the codes of it."""
+    torch.manual_seed(1)
+    module = load_kernel_module("rms_norm_triton")
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    x, residual = torch.randn(1, width).to(DTYPE), torch.randn(1, width).to(DTYPE)
+    weight = torch.randn(width) * 0.1
+    request = SplitRequest.for_format(fmt)
+    normed, total = module.rms_norm(x, weight, 1e-6, residual, request)
+    plain_normed, plain_total = module.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(normed, plain_normed) and torch.equal(total, plain_total)
+    split = attached(normed, request.bits, request.group, width // request.group)
+    codes, _, steps = gemv.split_x(plain_normed, request.bits, request.group, width)
+    assert torch.equal(split.codes, codes) and torch.equal(split.steps, steps)
