@@ -4,7 +4,11 @@ save_pretrained through tools/make_tiny_checkpoint.py) and their conversion to `
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +62,56 @@ def load_checkpoint_tensors(checkpoint_dir: Path) -> dict:
     for shard in sorted(Path(checkpoint_dir).glob("*.safetensors")):
         tensors.update(load_file(shard))
     return tensors
+
+
+def ninfer_process(*args: str, **kwargs) -> subprocess.Popen:
+    """`python -m ninfer ARGS` as a child process (text mode, unbuffered)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ninfer", *args], env=env, text=True, **kwargs)
+
+
+def _spawned_rank(parent_pid: int) -> int:
+    children = Path(f"/proc/{parent_pid}/task/{parent_pid}/children").read_text().split()
+    for pid in children:
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError(f"no spawned rank among {children}")
+
+
+def kill_a_rank_mid_run(run_args: list[str]) -> tuple[int, str, float]:
+    """Start `ninfer RUN_ARGS` (a tensor-parallel run long enough to outlast this), SIGKILL
+    its spawned rank 1 once the model has loaded, and return (exit code, stderr after the
+    kill, seconds from the kill to the exit)."""
+    import pytest
+
+    process = ninfer_process(*run_args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for line in process.stderr:
+            if line.startswith("loaded in"):
+                break
+        else:
+            pytest.fail("the run ended before loading")
+        os.kill(_spawned_rank(process.pid), signal.SIGKILL)
+        started = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        return process.returncode, err, time.monotonic() - started
+    finally:
+        process.kill()
+
+
+def greedy_tokens(core, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Run every prompt to `max_tokens` greedy tokens through an `EngineCore`, all at once
+    (request ids r0, r1, ...)."""
+    from ninfer.engine.request import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        outputs[f"r{i}"] = []
+        core.add(
+            GenerationRequest(prompt, params, request_id=f"r{i}", detokenize=False),
+            lambda event: outputs[event.request_id].extend(event.token_ids),
+        )
+    while core.has_work:
+        core.step()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]

@@ -133,7 +133,11 @@ def summarize(
     repetitions: list[list[StepRecord]],
     traffic: Traffic,
     ceilings: Ceilings,
+    ranks: int = 1,
 ) -> Row:
+    """One row over a case's repetitions. Over `ranks` tensor-parallel GPUs the floor is the
+    case's bytes or FLOPs over `ranks` times each ceiling (each GPU reads and computes its
+    share), so speed of light stays a per-GPU ratio."""
     rates, ratios, decode_steps, decode_bytes, prefill_flops, prefill_seconds = (
         [],
         [],
@@ -146,7 +150,7 @@ def summarize(
         steps = counted_steps(case, steps)
         seconds = sum(s.seconds for s in steps)
         rates.append(case_tokens(case) / seconds)
-        ratios.append(sum(step_floor(s, traffic, ceilings) for s in steps) / seconds)
+        ratios.append(sum(step_floor(s, traffic, ceilings) for s in steps) / ranks / seconds)
         for s in steps:
             if s.is_decode:
                 decode_steps.append(s)

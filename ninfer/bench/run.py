@@ -39,6 +39,8 @@ class BenchOptions:
     seed: int = 0
     cuda_graph: bool = True
     profile: bool = False  # per-kernel device time of each case on ninfer (profile.py)
+    tensor_parallel: int = 1  # ranks the model is split over (one process and GPU each)
+    expert_parallel: bool = False
     # called with each row (as a dict) as soon as it is timed, so a long run that is cut
     # short has still shown what it measured
     on_row: Callable[[dict[str, Any]], None] | None = None
@@ -73,7 +75,7 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def _time_cases(target, cases, options, traffic, ceilings, weights) -> list[Row]:
+def _time_cases(target, cases, options, traffic, ceilings, weights, ranks=1) -> list[Row]:
     rows = []
     for index, case in enumerate(cases):
         for rep in range(options.warmup):
@@ -82,14 +84,23 @@ def _time_cases(target, cases, options, traffic, ceilings, weights) -> list[Row]
             target.run_case(case, seed=options.seed + 1000 * index + rep)
             for rep in range(options.repetitions)
         ]
-        rows.append(summarize(target.name, weights, case, repetitions, traffic, ceilings))
+        rows.append(
+            summarize(target.name, weights, case, repetitions, traffic, ceilings, ranks=ranks)
+        )
         if options.on_row is not None:
             options.on_row(asdict(rows[-1]))
     return rows
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
-    from ninfer.bench.targets import HFTarget, NinferTarget, executed_formats, random_model
+    from ninfer.bench.targets import (
+        HFTarget,
+        NinferTarget,
+        RandomModel,
+        RankSplit,
+        executed_formats,
+        random_model,
+    )
 
     if (options.model_path is None) == (options.shape is None):
         raise ConfigError("give a .ninfer file or --shape, not both")
@@ -99,9 +110,22 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise ConfigError(f"unknown shape {options.shape!r} (known: {', '.join(SHAPES)})")
     if not options.cases:
         raise ConfigError("nothing to run: give -p, -n or -pg")
+    ranks = options.tensor_parallel
+    if ranks < 1:
+        raise ConfigError(f"--tensor-parallel {ranks} must be >= 1")
+    if options.expert_parallel and ranks < 2:
+        raise ConfigError("--expert-parallel needs --tensor-parallel >= 2")
+    if ranks > 1 and options.profile:
+        raise ConfigError("--profile runs on one rank: leave out --tensor-parallel")
+    if ranks > 1 and options.shape is not None and options.weights != "bf16":
+        raise ConfigError(
+            "--tensor-parallel ranks run their linears dense: give --weights bf16 with --shape"
+        )
     device, dtype = resolve_device(options)
     torch.manual_seed(options.seed)
     kv_itemsize = dtype.itemsize
+    dense = "fp32" if dtype == torch.float32 else "bf16"
+    model = source = None
 
     if options.model_path is not None:
         from ninfer.artifact import Artifact
@@ -112,11 +136,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             raise ConfigError(f"model file not found: {path}")
         artifact = Artifact.open(path)
         config = artifact.config()
-        traffic = Traffic(
-            config, artifact_formats(artifact), kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
-        )
-        weights = "artifact"
-        model = load_model(artifact, config, device=device, dtype=dtype)
+        # tensor-parallel ranks hold their slices dense, whatever the file stores
+        formats = artifact_formats(artifact) if ranks == 1 else _all_dense(dense)
+        traffic = Traffic(config, formats, kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize)
+        weights = "artifact" if ranks == 1 else dense
+        if ranks == 1:
+            model = load_model(artifact, config, device=device, dtype=dtype)
+        else:
+            from ninfer.parallel.launch import ArtifactModel
+
+            source = ArtifactModel(path)
         model_label = str(path)
     else:
         config = SHAPES[options.shape]
@@ -128,21 +157,30 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             conv_itemsize=kv_itemsize,
         )
         weights = options.weights
-        model = random_model(config, device, dtype, options.seed, format_of=format_of)
+        if ranks == 1:
+            model = random_model(config, device, dtype, options.seed, format_of=format_of)
+        else:
+            source = RandomModel(config, options.seed)
         model_label = f"{options.shape} (random weights)"
 
     ceilings = Ceilings(
         copy_bandwidth(device), matmul_rate(device, dtype), str(dtype).removeprefix("torch.")
     )
-    executed = executed_formats(model)
     target = NinferTarget(
         model,
         options.cases,
         options.prefill_chunk,
         options.cuda_graph,
         idle_prefill_chunk=options.idle_prefill_chunk,
+        parallel=RankSplit(source, ranks, options.expert_parallel, device, dtype)
+        if ranks > 1
+        else None,
     )
-    rows = _time_cases(target, options.cases, options, traffic, ceilings, weights)
+    executed = executed_formats(target.model)
+    try:
+        rows = _time_cases(target, options.cases, options, traffic, ceilings, weights, ranks)
+    finally:
+        target.close()
     profiles = []
     if options.profile:
         # Only once every case is timed: the profiler can leave CUPTI attached to the process,
@@ -160,12 +198,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         if peer != "hf":
             raise ConfigError(f"unknown peer {peer!r} (known: hf)")
         # transformers holds every weight in the run's dtype
-        dense = "fp32" if dtype == torch.float32 else "bf16"
         peer_traffic = Traffic(
-            config,
-            lambda name, shape, dense=dense: dense,
-            kv_itemsize=kv_itemsize,
-            conv_itemsize=kv_itemsize,
+            config, _all_dense(dense), kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
         )
         target = HFTarget(config, device, dtype)
         rows += _time_cases(target, options.cases, options, peer_traffic, ceilings, dense)
@@ -178,6 +212,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "executed_weights": executed,
         "commit": _commit(),
+        "tensor_parallel": ranks,
         "torch": torch.__version__,
         "ceilings": asdict(ceilings),
         "weight_bytes_per_token": traffic.decode_bytes([0]).weights,
@@ -197,6 +232,11 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     }
 
 
+def _all_dense(dense: str):
+    """Every weight stored in the dense format `dense` (a `FormatOf`)."""
+    return lambda name, shape: dense
+
+
 def si(value: float) -> str:
     """1.23G, 456M, 7.89k: a byte count in three significant digits."""
     for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -206,7 +246,7 @@ def si(value: float) -> str:
 
 
 TABLE_HEADER = (
-    f"{'engine':7} {'weights':8} {'test':14} {'C':>3} {'tok/s':>10} {'±':>8} "
+    f"{'engine':10} {'weights':8} {'test':14} {'C':>3} {'tok/s':>10} {'±':>8} "
     f"{'SoL':>6} {'bound':6} {'step ms':>8} {'host ms':>8} {'host%':>6} {'B/step':>8} "
     f"{'TFLOP/s':>8}"
 )
@@ -225,7 +265,7 @@ def format_row(row: dict[str, Any]) -> str:
         else "-"
     )
     return (
-        f"{row['engine']:7} {row['weights']:8} {row['test']:14} {row['concurrency']:>3} "
+        f"{row['engine']:10} {row['weights']:8} {row['test']:14} {row['concurrency']:>3} "
         f"{row['tokens_per_s']:>10.1f} {row['tokens_per_s_std']:>8.1f} "
         f"{row['speed_of_light']:>6.1%} {row['bound']:6} {step:>8} {host:>8} {share:>6} "
         f"{gb:>8} {tflops:>8}"
@@ -236,9 +276,15 @@ def format_table(report: dict[str, Any]) -> str:
     """The report as a short text table: header lines, then one line per row (with its
     kernel profile under it when the run profiled)."""
     ceilings = report["ceilings"]
+    ranks = report.get("tensor_parallel", 1)
+    split = (
+        f"  tensor-parallel {ranks} (SoL and ceilings per GPU; B/step over all)"
+        if ranks > 1
+        else ""
+    )
     lines = [
         f"model   {report['model']}  device {report['device']}  dtype {report['dtype']}"
-        f"  commit {report['commit'] or '?'}",
+        f"  commit {report['commit'] or '?'}{split}",
         f"ceilings  copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write)"
         f"  matmul {ceilings['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s ({ceilings['matmul_dtype']})",
         f"weights read per decode token (C=1, stored formats): "

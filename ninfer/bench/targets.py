@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,12 +58,14 @@ def random_model(
     dtype: torch.dtype,
     seed: int = 0,
     format_of=None,
+    shard=None,
 ):
     """The model on random weights. With `format_of` (logical name, shape -> stored format)
     and where the model runs quantized linears (CUDA, half precision), every matrix stored in
     a GEMV format, the stacked [E, N, K] MoE experts included, is encoded on the device and
     kept encoded, as loading an artifact would (a stacked tensor is encoded as its E * N rows,
-    the planes an artifact stores for it)."""
+    the planes an artifact stores for it). With a `shard`, this rank's slice of the same
+    weights (every rank draws all of them from one seed)."""
     from ninfer.models.layers.linear import GEMV_FORMATS
     from ninfer.models.qwen3_5 import runs_quantized
     from ninfer.models.registry import load_model
@@ -71,9 +73,10 @@ def random_model(
     from ninfer.parallel.shard import Shard
     from ninfer.quant import get_format
 
+    shard = shard or Shard()
     tensors = random_weights(config, device, dtype, seed)
     encoded = {}
-    if format_of is not None and runs_quantized(device, dtype, Shard()):
+    if format_of is not None and runs_quantized(device, dtype, shard):
         for name in list(tensors):
             if tensors[name].dim() < 2:
                 continue
@@ -81,7 +84,26 @@ def random_model(
             if chosen in GEMV_FORMATS:
                 encoded[name] = get_format(chosen).encode(tensors.pop(name), rows_per_slab=4096)
     source = StateDictSource(tensors, encoded)
-    return load_model(source, config, device=device, dtype=dtype)
+    return load_model(source, config, device=device, dtype=dtype, shard=shard)
+
+
+@dataclass(frozen=True, slots=True)
+class RandomModel:
+    """Random weights in a named shape as the model source of every tensor-parallel rank
+    (`ninfer.parallel.launch.ModelSource`): each rank draws the whole model from the seed on
+    its own device and keeps its slice. Tensor-parallel ranks run the dense dtype."""
+
+    config: dict[str, Any]
+    seed: int = 0
+
+    def hf_config(self) -> dict[str, Any]:
+        return self.config
+
+    def load(self, device: torch.device, dtype: torch.dtype, shard) -> torch.nn.Module:
+        return random_model(self.config, device, dtype, self.seed, shard=shard)
+
+    def frontend(self) -> tuple[Any, tuple[int, ...]]:
+        return None, ()  # no eos ids: every request runs its full length
 
 
 def executed_formats(model: torch.nn.Module) -> str:
@@ -94,6 +116,17 @@ def executed_formats(model: torch.nn.Module) -> str:
     kept = (GroupwiseLinear, GroupwiseExperts)
     encoded = sorted({m.format for m in model.modules() if isinstance(m, kept)})
     return "+".join([dense, *encoded])
+
+
+@dataclass(frozen=True, slots=True)
+class RankSplit:
+    """A bench over tensor-parallel ranks: every rank loads its slice of `source`."""
+
+    source: Any  # ninfer.parallel.launch.ModelSource
+    ranks: int
+    expert_parallel: bool
+    device: torch.device
+    dtype: torch.dtype
 
 
 # The profiler range each step of a profiled run is recorded in, by whether it is a decode step.
@@ -117,7 +150,10 @@ class NinferTarget:
         prefill_chunk: int,
         cuda_graph: bool = True,
         idle_prefill_chunk: int | None = None,
+        parallel: RankSplit | None = None,
     ) -> None:
+        """`model` is the loaded model; or, with `parallel`, None: each rank (this process is
+        rank 0) loads its slice of `parallel.source` (ninfer/parallel/launch.py)."""
         from ninfer.engine.engine import build_core
 
         longest = max(c.prompt_tokens + c.decode_steps + 1 for c in cases)
@@ -131,11 +167,29 @@ class NinferTarget:
             idle_prefill_chunk=idle_prefill_chunk,
             cuda_graph=cuda_graph,
         )
-        self.core = build_core(model, config)  # no eos ids: every request runs its full length
+        if parallel is None:
+            self.core = build_core(model, config)  # no eos ids: every request runs its length
+        else:
+            from ninfer.parallel.launch import load_parallel_core
+
+            config = replace(
+                config,
+                device=str(parallel.device),
+                dtype=str(parallel.dtype).removeprefix("torch."),
+                tensor_parallel=parallel.ranks,
+                expert_parallel=parallel.expert_parallel,
+            )
+            self.core = load_parallel_core(parallel.source, config)
+            self.name = f"ninfer-tp{parallel.ranks}"
+        self.model = self.core.runner.model
         self.recorder = _RecordingRunner(self.core.runner)
         self.core.runner = self.recorder
-        self.device = model.device
-        self.vocab_size = model.config.vocab_size
+        self.device = self.model.device
+        self.vocab_size = self.model.config.vocab_size
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do on one rank)."""
+        self.recorder.runner.close()
 
     def run_case(self, case: BenchCase, seed: int) -> list[StepRecord]:
         core = self.core

@@ -67,6 +67,8 @@ class BenchSettings:
     seed: int = 0
     no_cuda_graph: bool = False
     profile: bool = False
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
     output: str = "table"
     output_file: str | None = None
 
@@ -179,6 +181,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly (debugging)",
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="split the model over N processes, one GPU each; speed of light per GPU "
+        "(default 1; with --shape, --weights bf16; docs/parallel.md)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        default=None,
+        help="MoE: split the experts whole over the tensor-parallel ranks",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         default=None,
@@ -239,6 +254,8 @@ def run(inputs: argparse.Namespace) -> int:
             seed=args.seed,
             cuda_graph=not args.no_cuda_graph,
             profile=args.profile,
+            tensor_parallel=args.tensor_parallel,
+            expert_parallel=args.expert_parallel,
             on_row=progress,
         )
     )

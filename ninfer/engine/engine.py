@@ -526,22 +526,13 @@ def build_core(
     num_pages: int | None = None,
 ) -> EngineCore:
     """The core over a loaded model; `num_pages` (default: `pool_pages`) sizes the K/V pool."""
-    from ninfer.engine.graphs import capture_sizes, graph_memory_bytes
+    from ninfer.engine.graphs import capture_sizes
 
     spec = model.cache_spec()
     device, dtype = model.device, model.dtype
     graphs = uses_cuda_graphs(config, model)
     if num_pages is None:
-        from ninfer.models.layers.moe import GroupwiseExperts
-
-        encoded = any(isinstance(m, GroupwiseExperts) for m in model.modules())
-        reserve = (
-            graph_memory_bytes(
-                model.config, config.max_concurrency, config.max_context, encoded_experts=encoded
-            )
-            if graphs
-            else 0
-        )
+        reserve = graph_reserve_bytes(config, model) if graphs else 0
         num_pages = pool_pages(config, spec.page_bytes(dtype), device, reserve_bytes=reserve)
     cache = ModelCache(
         spec, num_pages, config.max_concurrency, device=device, dtype=dtype, scratch=graphs
@@ -582,16 +573,21 @@ def warm_up_kernels(model: torch.nn.Module) -> list[tuple[int, int, int, int]]:
 
 
 def uses_cuda_graphs(config: EngineConfig, model: torch.nn.Module) -> bool:
-    """Decode runs from CUDA graphs when asked, on CUDA in half precision, on one rank."""
+    """Decode runs from CUDA graphs when asked, on CUDA in half precision (with tensor
+    parallelism on every rank, the model's collectives captured with it)."""
     from ninfer.engine.graphs import GRAPH_DTYPES
 
-    shard = getattr(model, "shard", None)
-    return (
-        config.cuda_graph
-        and config.tensor_parallel == 1
-        and (shard is None or shard.world == 1)
-        and model.device.type == "cuda"
-        and model.dtype in GRAPH_DTYPES
+    return config.cuda_graph and model.device.type == "cuda" and model.dtype in GRAPH_DTYPES
+
+
+def graph_reserve_bytes(config: EngineConfig, model: torch.nn.Module) -> int:
+    """What the decode graphs' memory pool may take, set aside before the K/V pool is sized."""
+    from ninfer.engine.graphs import graph_memory_bytes
+    from ninfer.models.layers.moe import GroupwiseExperts
+
+    encoded = any(isinstance(m, GroupwiseExperts) for m in model.modules())
+    return graph_memory_bytes(
+        model.config, config.max_concurrency, config.max_context, encoded_experts=encoded
     )
 
 

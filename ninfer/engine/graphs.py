@@ -198,7 +198,7 @@ class DecodeGraphs:
         self.static = DecodeBuffers.allocate(rows, self.max_pages, device)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor | None] = {}  # None on a tensor-parallel worker
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -224,7 +224,9 @@ class DecodeGraphs:
             used / 2**20,
         )
 
-    def _capture_segments(self, size: int, pool) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor]:
+    def _capture_segments(
+        self, size: int, pool
+    ) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor | None]:
         """`forward_static(size)` captured as one graph per segment: a pre-hook on each
         segment's first decoder layer ends the running capture and begins the next, all in one
         memory pool, so the tensors one piece hands to the next stay where they are."""
@@ -277,9 +279,9 @@ class DecodeGraphs:
         fill_decode_rows(self.host, inputs, size, self.cache.scratch_page, self.cache.scratch_slot)
         self.static.copy_rows_from(self.host, size)
 
-    def forward_static(self, size: int) -> torch.Tensor:
+    def forward_static(self, size: int) -> torch.Tensor | None:
         """The decode forward over the first `size` rows of the static buffers, then the
-        logits of every row: what each graph captures."""
+        logits of every row (None on a tensor-parallel worker): what each graph captures."""
         s = self.static
         ctx = ForwardContext(
             is_decode=True,
@@ -296,16 +298,29 @@ class DecodeGraphs:
         hidden = self.model(s.input_ids[:size], s.positions[:size], ctx)
         return self.model.compute_logits(hidden)
 
+    def release(self) -> None:
+        """Destroy the captured graphs now. A tensor-parallel rank must, before it destroys its
+        process group: the NCCL kernels captured in them hold the communicator, and tearing it
+        down under live graphs does not return."""
+        torch.cuda.synchronize()
+        for pieces in self.graphs.values():
+            for graph in pieces:
+                graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+
     def size_for(self, inputs: StepInputs) -> int | None:
         """The graph that runs `inputs`, or None (not a decode step, or too many sequences)."""
         if not inputs.query_lens or any(q != 1 for q in inputs.query_lens):
             return None
         return graph_size(len(inputs.query_lens), self.sizes)
 
-    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
+    def run(self, inputs: StepInputs, size: int) -> torch.Tensor | None:
         """Replay the graph of `size` on `inputs`; fp32 logits of every sequence [B, V] (a
-        view of the graph's output, valid until the next replay)."""
+        view of the graph's output, valid until the next replay), None on a tensor-parallel
+        worker (rank 0 gathers the logits)."""
         self.stage(inputs, size)
         for graph in self.graphs[size]:
             graph.replay()
-        return self.logits[size][: len(inputs.query_lens)]
+        logits = self.logits[size]
+        return None if logits is None else logits[: len(inputs.query_lens)]

@@ -112,7 +112,7 @@ class ModelRunner:
         size = self.graphs.size_for(inputs) if self.graphs is not None else None
         if size is not None:
             logits = self.graphs.run(inputs, size)
-            if not inputs.logit_rows:
+            if logits is None or not inputs.logit_rows:
                 return None
             if inputs.logit_rows == list(range(logits.shape[0])):
                 return logits

@@ -3,9 +3,12 @@
 started by torchrun (every rank runs the same command; ranks other than 0 turn into workers
 inside `Engine` construction and exit when rank 0 closes).
 
-Every rank opens the artifact and keeps its own slice (`Shard`); the pools are sized per rank
-and all ranks agree on the smallest page count. Rank 0 returns an `EngineCore` whose runner
-broadcasts each step to the workers (`ParallelRunner`).
+Every rank loads the model from the same source (a `.ninfer` file, `ArtifactModel`; or the
+bench's random weights) and keeps its own slice (`Shard`); the pools are sized per rank and all
+ranks agree on the smallest page count. On CUDA in half precision every rank captures the same
+decode graphs, the model's collectives inside them, in the same order. Rank 0 returns an
+`EngineCore` whose runner broadcasts each step to the workers (`ParallelRunner`); each worker
+then runs the same forward, replaying its own graph where rank 0 replays one.
 
 A rank that dies must not leave the others hanging: rank 0 watches its spawned workers and ends
 the whole process with an error as soon as one exits unasked (`RankWatchdog`), workers exit
@@ -25,7 +28,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -98,6 +101,48 @@ def rank_device(config: EngineConfig, local_rank: int) -> tuple[torch.device, to
     return device, dtype
 
 
+# ---- what every rank loads -----------------------------------------------------------------
+
+
+class ModelSource(Protocol):
+    """Where every rank's model comes from; pickled to the spawned ranks."""
+
+    def hf_config(self) -> dict[str, Any]: ...
+
+    def load(self, device: torch.device, dtype: torch.dtype, shard: Shard) -> torch.nn.Module:
+        """This rank's slice of the model."""
+        ...
+
+    def frontend(self) -> tuple[Any, tuple[int, ...]]:
+        """Rank 0's chat frontend (None without a tokenizer) and stop token ids."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactModel:
+    """A `.ninfer` file: every rank opens (mmaps) it and reads only its slice."""
+
+    path: Path
+
+    def hf_config(self) -> dict[str, Any]:
+        from ninfer.artifact import Artifact
+
+        return Artifact.open(self.path).config()
+
+    def load(self, device: torch.device, dtype: torch.dtype, shard: Shard) -> torch.nn.Module:
+        from ninfer.artifact import Artifact
+        from ninfer.models.registry import load_model
+
+        artifact = Artifact.open(self.path)
+        return load_model(artifact, artifact.config(), device=device, dtype=dtype, shard=shard)
+
+    def frontend(self) -> tuple[Any, tuple[int, ...]]:
+        from ninfer.artifact import Artifact
+        from ninfer.engine.engine import load_frontend
+
+        return load_frontend(Artifact.open(self.path))
+
+
 # ---- one rank ------------------------------------------------------------------------------
 
 
@@ -140,8 +185,16 @@ class ParallelRunner(ModelRunner):
             self.channel.send_stop()
         except Exception as exc:  # a worker already gone: the watchdog reports it
             log.warning("could not stop the tensor-parallel workers: %r", exc)
+        release_graphs(self)
         if self._on_close is not None:
             self._on_close()
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Destroy a rank's decode graphs before its process group (DecodeGraphs.release)."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        runner.graphs = None
 
 
 class Worker:
@@ -160,10 +213,11 @@ class Worker:
                 for tensor in slot_tensors:
                     tensor[slot].zero_()
             self.runner.forward(inputs)
+        release_graphs(self.runner)
 
 
 def load_rank(
-    path: Path,
+    source: ModelSource,
     config: EngineConfig,
     group: ParallelGroup,
     device: torch.device,
@@ -171,38 +225,50 @@ def load_rank(
     on_close=None,
 ) -> EngineCore | Worker:
     """Load this rank's slice of the model and its pools; rank 0 gets the engine core."""
-    from ninfer.artifact import Artifact
-    from ninfer.engine.engine import build_core, load_frontend, pool_pages, warm_up_kernels
-    from ninfer.models.registry import load_model
+    from ninfer.engine.engine import (
+        build_core,
+        graph_reserve_bytes,
+        pool_pages,
+        uses_cuda_graphs,
+        warm_up_kernels,
+    )
+    from ninfer.engine.graphs import capture_sizes
 
     shard = Shard(group.rank, group.world, config.expert_parallel, group.device_group)
-    artifact = Artifact.open(path)
-    model = load_model(artifact, artifact.config(), device=device, dtype=dtype, shard=shard)
+    model = source.load(device, dtype, shard)
     spec = model.cache_spec()
-    pages = torch.tensor([pool_pages(config, spec.page_bytes(dtype), device)])
+    graphs = uses_cuda_graphs(config, model)
+    reserve = graph_reserve_bytes(config, model) if graphs else 0
+    pages = torch.tensor([pool_pages(config, spec.page_bytes(dtype), device, reserve)])
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=group.control_group)
     num_pages = int(pages.item())
     channel = StepChannel(group.control_group)
     if group.rank != 0:
         if device.type == "cuda":
             warm_up_kernels(model)
-        cache = ModelCache(spec, num_pages, config.max_concurrency, device=device, dtype=dtype)
-        return Worker(model, cache, channel)
-    frontend, eos = load_frontend(artifact)
+        cache = ModelCache(
+            spec, num_pages, config.max_concurrency, device=device, dtype=dtype, scratch=graphs
+        )
+        worker = Worker(model, cache, channel)
+        if graphs:  # the same sizes in the same order as rank 0's build_core
+            worker.runner.capture_graphs(config.max_context, capture_sizes(config.max_concurrency))
+        return worker
+    frontend, eos = source.frontend()
     core = build_core(model, config, frontend=frontend, eos_token_ids=eos, num_pages=num_pages)
     cache = core.cache
     cache.slots = HandedOutSlots(cache.num_slots, [*cache.gdn_state, *cache.conv_window])
-    core.runner = ParallelRunner(model, cache, core.sampler, channel, on_close)
+    runner = ParallelRunner(model, cache, core.sampler, channel, on_close)
+    runner.graphs = core.runner.graphs
+    core.runner = runner
     return core
 
 
-def check_shardable(path: Path, config: EngineConfig) -> None:
+def check_shardable(source: ModelSource, config: EngineConfig) -> None:
     """Refuse a split the model's shapes do not allow before any process is started."""
-    from ninfer.artifact import Artifact
     from ninfer.models.qwen3_5 import Qwen3_5Config
     from ninfer.models.registry import model_class
 
-    hf_config = Artifact.open(path).config()
+    hf_config = source.hf_config()
     parsed = Qwen3_5Config.from_hf(hf_config, is_moe=model_class(hf_config).is_moe)
     if config.expert_parallel and not parsed.is_moe:
         raise ConfigError("--expert-parallel needs a MoE model")
@@ -222,15 +288,18 @@ def under_torchrun() -> bool:
     )
 
 
-def load_parallel_core(path: Path, config: EngineConfig) -> EngineCore:
-    """Rank 0's engine core over `config.tensor_parallel` ranks (spawned here or by torchrun)."""
-    check_shardable(path, config)
+def load_parallel_core(source: ModelSource | Path, config: EngineConfig) -> EngineCore:
+    """Rank 0's engine core over `config.tensor_parallel` ranks (spawned here or by torchrun);
+    a path is a `.ninfer` file."""
+    if isinstance(source, Path):
+        source = ArtifactModel(source)
+    check_shardable(source, config)
     if under_torchrun():
-        return _torchrun_rank(path, config)
-    return _spawn_ranks(path, config)
+        return _torchrun_rank(source, config)
+    return _spawn_ranks(source, config)
 
 
-def _torchrun_rank(path: Path, config: EngineConfig) -> EngineCore:
+def _torchrun_rank(source: ModelSource, config: EngineConfig) -> EngineCore:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.tensor_parallel:
         raise ConfigError(
@@ -238,7 +307,7 @@ def _torchrun_rank(path: Path, config: EngineConfig) -> EngineCore:
         )
     device, dtype = rank_device(config, int(os.environ.get("LOCAL_RANK", rank)))
     group = init_group(rank, world, "env://", device)
-    loaded = load_rank(path, config, group, device, dtype, on_close=dist.destroy_process_group)
+    loaded = load_rank(source, config, group, device, dtype, on_close=dist.destroy_process_group)
     if isinstance(loaded, EngineCore):
         return loaded
     _serve_worker(loaded, rank)
@@ -252,7 +321,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_ranks(path: Path, config: EngineConfig) -> EngineCore:
+def _spawn_ranks(source: ModelSource, config: EngineConfig) -> EngineCore:
     import torch.multiprocessing as mp
 
     set_collective_env()
@@ -262,7 +331,7 @@ def _spawn_ranks(path: Path, config: EngineConfig) -> EngineCore:
     workers = [
         context.Process(
             target=_worker_main,
-            args=(rank, world, init_method, str(path), dataclasses.asdict(config), os.getpid()),
+            args=(rank, world, init_method, source, dataclasses.asdict(config), os.getpid()),
             name=f"ninfer-rank{rank}",
             daemon=True,
         )
@@ -275,7 +344,7 @@ def _spawn_ranks(path: Path, config: EngineConfig) -> EngineCore:
         device, dtype = rank_device(config, 0)
         _share_cores(device, world)
         group = init_group(0, world, init_method, device)
-        core = load_rank(path, config, group, device, dtype, on_close=watchdog.stop)
+        core = load_rank(source, config, group, device, dtype, on_close=watchdog.stop)
     except BaseException:
         watchdog.stop(graceful=False)
         raise
@@ -287,7 +356,7 @@ def _worker_main(
     rank: int,
     world: int,
     init_method: str,
-    path: str,
+    source: ModelSource,
     config_fields: dict[str, Any],
     parent_pid: int,
 ) -> None:
@@ -297,7 +366,7 @@ def _worker_main(
     _share_cores(device, world)
     try:
         group = init_group(rank, world, init_method, device)
-        worker = load_rank(Path(path), config, group, device, dtype)
+        worker = load_rank(source, config, group, device, dtype)
     except Exception as exc:
         print(f"ninfer: tensor-parallel rank {rank} failed to load: {exc}", file=sys.stderr)
         os._exit(RANK_FAILED_EXIT)

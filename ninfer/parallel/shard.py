@@ -46,12 +46,14 @@ class Shard:
         return partial
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """[N, V / W] logits of the local vocabulary rows -> [N, V] on rank 0, None elsewhere."""
+        """[N, V / W] logits of the local vocabulary rows -> [N, V] on rank 0, None elsewhere.
+        An all-gather rather than a gather to rank 0: one collective kernel that a CUDA graph
+        captures like the all-reduces (a gather is W point-to-point transfers)."""
         if self.world == 1:
             return local
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
-        torch.distributed.gather(local, parts, group_dst=0, group=self.group)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, local, group=self.group)
         if self.rank != 0:
             return None
         return torch.cat(parts, dim=-1)[:, :vocab_size]
@@ -150,7 +152,7 @@ class Shard:
                     key_dim + torch.arange(keys.start * dk, keys.stop * dk),
                     2 * key_dim + torch.arange(values.start * dv, values.stop * dv),
                 ]
-            )
+            ).to(full.device)
             return full.index_select(0, index)
         if kind == "gdn_value_rows":
             return full[values.start * dv : values.stop * dv]

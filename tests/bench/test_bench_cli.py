@@ -179,3 +179,40 @@ def test_make_cases_crosses_tests_with_concurrency():
         ("pp2048+tg128", 1),
         ("pp2048+tg128", 8),
     ]
+
+
+def test_two_ranks_report_rows_per_gpu(capsys):
+    argv = ("--shape", "tiny", "--weights", "bf16", "-n", "4", "-r", "1", "--warmup", "0")
+    one = run_json(capsys, *argv)
+    two = run_json(capsys, *argv, "--tensor-parallel", "2")
+    assert (one["tensor_parallel"], two["tensor_parallel"]) == (1, 2)
+    assert [r["engine"] for r in two["rows"]] == ["ninfer-tp2"]
+    # the same bytes per step over two GPUs' bandwidth
+    assert two["rows"][0]["decode_bytes_per_step"] == one["rows"][0]["decode_bytes_per_step"]
+    assert 0 < two["rows"][0]["speed_of_light"] < 1
+    assert two["executed_weights"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--weights", "q4"), "--weights bf16"),
+        (("--weights", "bf16", "--profile"), "--profile"),
+        (("--weights", "bf16", "--expert-parallel"), "--expert-parallel"),
+    ],
+)
+def test_a_split_the_bench_cannot_time_is_refused(capsys, extra, message):
+    argv = ["bench", "--shape", "tiny", "-n", "2", "--device", "cpu", *extra]
+    assert main([*argv, "--tensor-parallel", "2" if "--expert-parallel" not in extra else "1"]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_the_floor_of_a_split_step_is_shared_by_its_ranks():
+    config = SHAPES["tiny"]
+    traffic = Traffic(config, profile_formats(config, "bf16"), kv_itemsize=4, conv_itemsize=4)
+    ceilings = Ceilings(1e9, 1e12, "float32")
+    case = BenchCase("tg", prompt=1, gen=2, concurrency=1)
+    steps = [StepRecord(True, (1,), (1,), (True,), 0.01) for _ in range(2)]
+    one = summarize("ninfer", "bf16", case, [steps], traffic, ceilings)
+    two = summarize("ninfer", "bf16", case, [steps], traffic, ceilings, ranks=2)
+    assert two.speed_of_light == pytest.approx(one.speed_of_light / 2)

@@ -3,34 +3,19 @@ subgroup of the first N ranks of one spawned gloo world, so the processes start 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers import greedy_tokens
 
 from ninfer.engine.config import EngineConfig
-from ninfer.engine.core import EngineCore
-from ninfer.engine.request import GenerationRequest, SamplingParams
-from ninfer.parallel.launch import ParallelGroup, load_rank
+from ninfer.parallel.launch import ArtifactModel, ParallelGroup, load_rank
 
 TIMEOUT = timedelta(seconds=60)
-
-
-def greedy_tokens(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Run every prompt to `max_tokens` greedy tokens through `core`, all at once."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        outputs[f"r{i}"] = []
-        core.add(
-            GenerationRequest(prompt, params, request_id=f"r{i}", detokenize=False),
-            lambda event: outputs[event.request_id].extend(event.token_ids),
-        )
-    while core.has_work:
-        core.step()
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
 def engine_config(world: int, expert_parallel: bool) -> EngineConfig:
@@ -59,7 +44,7 @@ def run_cases(rank: int, world: int, init_method: str, cases: list[dict], out_di
             group = ParallelGroup(rank, size, device_group, control_group)
             config = engine_config(size, case["expert_parallel"])
             loaded = load_rank(
-                Path(case["path"]), config, group, torch.device("cpu"), torch.float32
+                ArtifactModel(Path(case["path"])), config, group, torch.device("cpu"), torch.float32
             )
             if rank == 0:
                 tokens = greedy_tokens(loaded, case["prompts"], case["max_tokens"])
@@ -69,4 +54,25 @@ def run_cases(rank: int, world: int, init_method: str, cases: list[dict], out_di
             else:
                 loaded.serve()
         dist.barrier()
+    dist.destroy_process_group()
+
+
+def echo_steps(rank: int, init_method: str, steps: list, out_path: str) -> None:
+    """Rank 0 sends `steps` ((StepInputs fields, fresh slots) pairs) over a `StepChannel`,
+    then stop; rank 1 writes what it received to `out_path` as JSON."""
+    from ninfer.engine.runner import StepInputs
+    from ninfer.parallel.channel import StepChannel
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    channel = StepChannel(dist.new_group([0, 1], backend="gloo"))
+    if rank == 0:
+        for fields, fresh in steps:
+            channel.send(StepInputs(*fields), fresh)
+        channel.send_stop()
+    else:
+        received = []
+        while (step := channel.receive()) is not None:
+            inputs, fresh = step
+            received.append([list(dataclasses.astuple(inputs)), fresh])
+        Path(out_path).write_text(json.dumps(received))
     dist.destroy_process_group()

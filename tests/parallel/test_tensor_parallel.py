@@ -5,19 +5,15 @@ clearly when a rank dies or the model cannot be split."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import convert_tiny
-from rank_cases import engine_config, greedy_tokens, run_cases
+from helpers import convert_tiny, greedy_tokens, kill_a_rank_mid_run, ninfer_process
+from rank_cases import engine_config, run_cases
 
 from ninfer.engine.engine import load_core
 from ninfer.errors import ConfigError
@@ -148,11 +144,6 @@ def test_a_split_the_heads_do_not_allow_is_refused():
         Shard(0, 3).local_config(_tiny_config())
 
 
-def _ninfer(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "ninfer", *args], env=env, text=True, **kwargs)
-
-
 def _run_args(path: Path, max_tokens: int, *extra: str) -> list[str]:
     prompt = ",".join(str(t) for t in PROMPTS[0])
     return [
@@ -173,40 +164,47 @@ def _run_args(path: Path, max_tokens: int, *extra: str) -> list[str]:
 
 def test_cli_run_with_two_ranks_prints_the_single_process_tokens(models, single_process_tokens):
     args = _run_args(models["dense"], MAX_TOKENS, "--print-token-ids", "--tensor-parallel", "2")
-    process = _ninfer(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = ninfer_process(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err
     printed = [int(t) for t in out.strip().splitlines()[-1].split(",")]
     assert printed == single_process_tokens["dense"][0]
 
 
-def _spawned_worker(parent_pid: int) -> int:
-    children = Path(f"/proc/{parent_pid}/task/{parent_pid}/children").read_text().split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            return int(pid)
-    raise AssertionError(f"no spawned rank among {children}")
-
-
-def test_a_killed_rank_ends_the_run_with_a_clear_error(models, tmp_path):
-    stdout = (tmp_path / "stdout").open("w")
-    process = _ninfer(
-        *_run_args(models["dense"], 2000, "--tensor-parallel", "2"),
-        stdout=stdout,
-        stderr=subprocess.PIPE,
+def test_a_killed_rank_ends_the_run_with_a_clear_error(models):
+    returncode, err, seconds = kill_a_rank_mid_run(
+        _run_args(models["dense"], 2000, "--tensor-parallel", "2")
     )
-    try:
-        for line in process.stderr:
-            if line.startswith("loaded in"):
-                break
-        else:
-            pytest.fail("the run ended before loading")
-        os.kill(_spawned_worker(process.pid), signal.SIGKILL)
-        started = time.monotonic()
-        _, err = process.communicate(timeout=60)
-        assert time.monotonic() - started < 30
-    finally:
-        process.kill()
-    assert process.returncode != 0
+    assert seconds < 30
+    assert returncode != 0
     assert "error: tensor-parallel rank 1" in err and "SIGKILL" in err, err
+
+
+def test_the_step_channel_carries_short_and_long_steps(tmp_path):
+    """A decode-sized step fits the first broadcast; a long prefill step (more values than
+    FIRST) sends the rest in a second; the worker reads both back exactly, then the stop."""
+    from rank_cases import echo_steps
+
+    from ninfer.parallel.channel import FIRST
+
+    decode = [[5, 6], [10, 20], [10, 20], [1, 1], [[0], [1, 2]], [0, 1], [0, 1]], []
+    tokens = list(range(FIRST + 100))
+    prefill = (
+        [
+            tokens,
+            list(range(len(tokens))),
+            [0],
+            [len(tokens)],
+            [list(range(len(tokens) // 64 + 1))],
+            [3],
+            [len(tokens) - 1],
+        ],
+        [3],
+    )
+    steps = [decode, prefill, decode]
+    out = tmp_path / "received.json"
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(
+        echo_steps, args=(init_method, steps, str(out)), nprocs=2, start_method="spawn"
+    )
+    assert json.loads(out.read_text()) == [[list(fields), fresh] for fields, fresh in steps]

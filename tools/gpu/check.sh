@@ -40,6 +40,8 @@ if [ "${TESTS:-1}" != 0 ]; then
   group moe "${MOE_LIMIT:-150}" tests/gpu/test_moe_gpu.py
   group engine "${ENGINE_LIMIT:-240}" tests/gpu/test_graphs_gpu.py tests/gpu/test_engine_gpu.py
   group prefill "${PREFILL_LIMIT:-240}" tests/gpu/test_triton_prefill_kernels.py tests/gpu/test_prefill_gpu.py
+  # tensor and expert parallelism over NCCL: skipped with fewer than two GPUs
+  group parallel "${PARALLEL_LIMIT:-300}" tests/gpu/test_parallel_gpu.py
 fi
 
 if [ "${BENCH:-1}" != 0 ]; then
