@@ -278,6 +278,8 @@ class DecodeGraphs:
         """Put a decode step's inputs, padded to `size` rows, into the static buffers."""
         fill_decode_rows(self.host, inputs, size, self.cache.scratch_page, self.cache.scratch_slot)
         self.static.copy_rows_from(self.host, size)
+        if inputs.device_ids is not None:  # the ids a step still in flight samples
+            self.static.input_ids[: len(inputs.device_ids)].copy_(inputs.device_ids)
 
     def forward_static(self, size: int) -> torch.Tensor | None:
         """The decode forward over the first `size` rows of the static buffers, then the
