@@ -151,6 +151,7 @@ class NinferTarget:
         cuda_graph: bool = True,
         idle_prefill_chunk: int | None = None,
         parallel: RankSplit | None = None,
+        overlap: bool = True,
     ) -> None:
         """`model` is the loaded model; or, with `parallel`, None: each rank (this process is
         rank 0) loads its slice of `parallel.source` (ninfer/parallel/launch.py)."""
@@ -166,6 +167,7 @@ class NinferTarget:
             prefill_chunk=prefill_chunk,
             idle_prefill_chunk=idle_prefill_chunk,
             cuda_graph=cuda_graph,
+            overlap=overlap,
         )
         if parallel is None:
             self.core = build_core(model, config)  # no eos ids: every request runs its length
