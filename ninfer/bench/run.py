@@ -38,6 +38,7 @@ class BenchOptions:
     peers: list[str] = field(default_factory=list)
     seed: int = 0
     cuda_graph: bool = True
+    overlap: bool = True  # decode steps launched before the one in flight is read back
     profile: bool = False  # per-kernel device time of each case on ninfer (profile.py)
     tensor_parallel: int = 1  # ranks the model is split over (one process and GPU each)
     expert_parallel: bool = False
@@ -172,6 +173,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         options.prefill_chunk,
         options.cuda_graph,
         idle_prefill_chunk=options.idle_prefill_chunk,
+        overlap=options.overlap,
         parallel=RankSplit(source, ranks, options.expert_parallel, device, dtype)
         if ranks > 1
         else None,
