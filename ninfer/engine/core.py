@@ -172,8 +172,9 @@ class EngineCore:
 
     def _launch_ahead(self, in_flight: LaunchedStep) -> LaunchedStep | None:
         """Launch the decode step after `in_flight` before reading it back, when nothing but
-        those requests' next tokens is to be done (no request waiting or in prefill)."""
-        if not (self._overlaps() and in_flight.batch.is_decode) or self.scheduler.waiting:
+        those requests' next tokens is to be done (no request in prefill; a request waiting
+        for a lane that `in_flight` frees is admitted one step later)."""
+        if not (self._overlaps() and in_flight.batch.is_decode):
             return None
         running = self.scheduler.running
         if not running or any(seq.in_prefill for seq in running):
