@@ -151,7 +151,12 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             ahead = self._launch_ahead(in_flight)
-            self._complete(in_flight)
+            try:
+                self._complete(in_flight)
+            except Exception as exc:  # the step ahead fed on it: it fails with it
+                if ahead is not None:
+                    self._fail_batch(ahead.batch, exc)
+                raise
             if ahead is not None:  # its fed tokens are recorded now: the pages can be hashed
                 self._advance(ahead.batch)
                 self._in_flight = ahead
@@ -199,10 +204,10 @@ class EngineCore:
         """Wait for a launched step, then record and deliver its tokens."""
         try:
             result = self.runner.collect(launched)
+            self._emit(launched.batch, result.token_ids, result.logprobs, time.perf_counter())
         except Exception as exc:
             self._fail_batch(launched.batch, exc)
             raise
-        self._emit(launched.batch, result.token_ids, result.logprobs, time.perf_counter())
 
     def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> None:
         for seq in batch.seqs:
@@ -295,6 +300,7 @@ class EngineCore:
         """End every live request with `error` (engine shutdown or a fatal failure)."""
         for seq in list(self.sequences.values()):
             self._finish(seq, "error", error=error)
+        self._in_flight = None  # nothing is left to read back
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

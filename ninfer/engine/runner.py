@@ -12,7 +12,7 @@ import torch
 from ninfer.engine.graphs import DecodeGraphs
 from ninfer.engine.kv_pool import ModelCache
 from ninfer.engine.request import TokenLogprob
-from ninfer.engine.sampler import SampleOutput, Sampler, SampleRow
+from ninfer.engine.sampler import SampleOutput, Sampler, SampleRow, to_device
 from ninfer.engine.scheduler import ScheduledBatch
 from ninfer.models.context import make_context
 
@@ -36,12 +36,35 @@ class StepInputs:
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A step whose device work is queued: its batch and the sampler's device output, read
-    back by `ModelRunner.collect`."""
+    """A step whose device work is queued: its batch, the sampler's device output (fed to a
+    step launched after it) and that output's copy on the host, filled once `ready` has
+    passed (None off CUDA: the copy is then already made), read by `ModelRunner.collect`."""
 
     batch: ScheduledBatch
     out: SampleOutput | None
+    host: SampleOutput | None
+    ready: torch.cuda.Event | None
     top_counts: list[int | None]  # per sampled row, the top logprobs asked for
+
+
+def _copy_to_host(out: SampleOutput | None) -> tuple[SampleOutput | None, torch.cuda.Event | None]:
+    """The sampler's output copied to pinned host memory behind the step's work, and the event
+    that marks the copy done (CUDA); on the CPU the output itself."""
+    if out is None or out.token_ids.device.type != "cuda":
+        return out, None
+
+    def pinned(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    host = SampleOutput(
+        pinned(out.token_ids), pinned(out.logprobs), pinned(out.top_ids), pinned(out.top_logprobs)
+    )
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 @dataclass(slots=True)
@@ -113,7 +136,8 @@ class ModelRunner:
         )
         logits = self.forward(inputs)
         out = None if logits is None else self.sampler.sample(logits, sample_rows)
-        return LaunchedStep(batch, out, [row.params.logprobs for row in sample_rows])
+        host, ready = _copy_to_host(out)
+        return LaunchedStep(batch, out, host, ready, [row.params.logprobs for row in sample_rows])
 
     def _fed_ids(self, batch: ScheduledBatch, after: LaunchedStep) -> torch.Tensor:
         """The tokens `after` sampled for `batch`'s sequences, in `batch`'s order (a device
@@ -122,16 +146,18 @@ class ModelRunner:
         if sampled == batch.seqs:
             return after.out.token_ids
         row_of = {id(seq): i for i, seq in enumerate(sampled)}
-        index = [row_of[id(seq)] for seq in batch.seqs]
-        return after.out.token_ids.index_select(
-            0, torch.tensor(index, dtype=torch.int64, device=after.out.token_ids.device)
-        )
+        index = to_device([row_of[id(seq)] for seq in batch.seqs], self.device, torch.int64)
+        return after.out.token_ids.index_select(0, index)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
-        """Wait for a launched step and read its tokens (the step's one host sync)."""
-        out = launched.out
+        """Wait for a launched step and read its tokens: the step's one host sync, on its own
+        copy to the host (a read of the device tensors would also wait for every step
+        launched after it)."""
+        out = launched.host
         if out is None:
             return StepResult([], [])
+        if launched.ready is not None:
+            launched.ready.synchronize()
         token_ids = out.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
         if out.logprobs is not None:

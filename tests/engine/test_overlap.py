@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import ninfer
 from ninfer.engine.config import EngineConfig
@@ -135,3 +136,27 @@ def test_an_abort_mid_decode_and_queued_requests_match(max_concurrency):
     assert plain["r1"][-1][3] == "abort"
     # requests queued for a lane do not stop the steps from overlapping
     assert any(calls[i : i + 3] == ["launch", "launch", "collect"] for i in range(len(calls)))
+
+
+def test_collect_waits_for_its_own_copy_and_reads_it():
+    """On CUDA a launched step's tokens are copied to pinned host memory behind its work:
+    `collect` waits for that copy's event, not for the device (which may run a later step),
+    and reads the host copy."""
+    from types import SimpleNamespace
+
+    from ninfer.engine.runner import LaunchedStep, ModelRunner
+    from ninfer.engine.sampler import SampleOutput
+
+    class Event:
+        waited = False
+
+        def synchronize(self):
+            self.waited = True
+
+    device_out = SampleOutput(token_ids=torch.tensor([9, 9]))  # not to be read
+    host_out = SampleOutput(token_ids=torch.tensor([4, 5]))
+    ready = Event()
+    batch = SimpleNamespace(seqs=[], sampled=[True, True])
+    launched = LaunchedStep(batch, device_out, host_out, ready, [None, None])
+    result = ModelRunner.collect(None, launched)
+    assert ready.waited and result.token_ids == [4, 5]
