@@ -118,10 +118,6 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise ConfigError("--expert-parallel needs --tensor-parallel >= 2")
     if ranks > 1 and options.profile:
         raise ConfigError("--profile runs on one rank: leave out --tensor-parallel")
-    if ranks > 1 and options.shape is not None and options.weights != "bf16":
-        raise ConfigError(
-            "--tensor-parallel ranks run their linears dense: give --weights bf16 with --shape"
-        )
     device, dtype = resolve_device(options)
     torch.manual_seed(options.seed)
     kv_itemsize = dtype.itemsize
@@ -137,10 +133,10 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             raise ConfigError(f"model file not found: {path}")
         artifact = Artifact.open(path)
         config = artifact.config()
-        # tensor-parallel ranks hold their slices dense, whatever the file stores
-        formats = artifact_formats(artifact) if ranks == 1 else _all_dense(dense)
-        traffic = Traffic(config, formats, kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize)
-        weights = "artifact" if ranks == 1 else dense
+        traffic = Traffic(
+            config, artifact_formats(artifact), kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
+        )
+        weights = "artifact"
         if ranks == 1:
             model = load_model(artifact, config, device=device, dtype=dtype)
         else:
@@ -161,7 +157,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         if ranks == 1:
             model = random_model(config, device, dtype, options.seed, format_of=format_of)
         else:
-            source = RandomModel(config, options.seed)
+            source = RandomModel(config, options.seed, options.weights)
         model_label = f"{options.shape} (random weights)"
 
     ceilings = Ceilings(

@@ -76,7 +76,7 @@ def random_model(
     shard = shard or Shard()
     tensors = random_weights(config, device, dtype, seed)
     encoded = {}
-    if format_of is not None and runs_quantized(device, dtype, shard):
+    if format_of is not None and runs_quantized(device, dtype):
         for name in list(tensors):
             if tensors[name].dim() < 2:
                 continue
@@ -91,16 +91,20 @@ def random_model(
 class RandomModel:
     """Random weights in a named shape as the model source of every tensor-parallel rank
     (`ninfer.parallel.launch.ModelSource`): each rank draws the whole model from the seed on
-    its own device and keeps its slice. Tensor-parallel ranks run the dense dtype."""
+    its own device and keeps its slice, encoded where the formats keep it encoded."""
 
     config: dict[str, Any]
     seed: int = 0
+    weights: str = "bf16"  # the stored formats they stand for (bench --weights)
 
     def hf_config(self) -> dict[str, Any]:
         return self.config
 
     def load(self, device: torch.device, dtype: torch.dtype, shard) -> torch.nn.Module:
-        return random_model(self.config, device, dtype, self.seed, shard=shard)
+        from ninfer.bench.traffic import profile_formats
+
+        format_of = profile_formats(self.config, self.weights)
+        return random_model(self.config, device, dtype, self.seed, format_of, shard=shard)
 
     def frontend(self) -> tuple[Any, tuple[int, ...]]:
         return None, ()  # no eos ids: every request runs its full length

@@ -192,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="split the model over N processes, one GPU each; speed of light per GPU "
-        "(default 1; with --shape, --weights bf16; docs/parallel.md)",
+        "(default 1; docs/parallel.md)",
     )
     parser.add_argument(
         "--expert-parallel",

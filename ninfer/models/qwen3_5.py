@@ -290,8 +290,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
         with torch.device("meta"):
             model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device, shard=shard)
-        if runs_quantized(torch.device(device), dtype, model.shard):
-            quantize_linears(model, source, torch.device(device), logical_name)
+        if runs_quantized(torch.device(device), dtype):
+            part_of = None
+            if model.shard.world > 1:
+
+                def part_of(name: str, encoded):
+                    return model.shard.slice_encoded(name, encoded, parsed)
+
+            quantize_linears(model, source, torch.device(device), logical_name, part_of)
             quantize_experts(model, source, torch.device(device), logical_name)
         state = {
             name: model.shard.slice_parameter(
@@ -362,11 +368,12 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     is_moe = True
 
 
-def runs_quantized(device: torch.device, dtype: torch.dtype, shard: Shard) -> bool:
+def runs_quantized(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears and MoE experts stored in a group-wise int format stay encoded (GPU
-    kernels in half precision, one rank); elsewhere they are dequantized at load, the exact
-    reference path."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and shard.world == 1
+    kernels in half precision; with tensor parallelism each rank keeps its part encoded where
+    the part is whole groups, `Shard.slice_encoded`); elsewhere they are dequantized at load,
+    the exact reference path."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def fuse_projections(model: nn.Module) -> list[str]:

@@ -196,7 +196,6 @@ def test_two_ranks_report_rows_per_gpu(capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (("--weights", "q4"), "--weights bf16"),
         (("--weights", "bf16", "--profile"), "--profile"),
         (("--weights", "bf16", "--expert-parallel"), "--expert-parallel"),
     ],
