@@ -134,7 +134,10 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         artifact = Artifact.open(path)
         config = artifact.config()
         traffic = Traffic(
-            config, artifact_formats(artifact), kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize
+            config,
+            _as_run(artifact_formats(artifact), ranks, options.expert_parallel, dense),
+            kv_itemsize=kv_itemsize,
+            conv_itemsize=kv_itemsize,
         )
         weights = "artifact"
         if ranks == 1:
@@ -149,7 +152,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         format_of = profile_formats(config, options.weights)
         traffic = Traffic(
             config,
-            format_of,
+            _as_run(format_of, ranks, options.expert_parallel, dense),
             kv_itemsize=kv_itemsize,
             conv_itemsize=kv_itemsize,
         )
@@ -228,6 +231,14 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             for index, row in enumerate(rows)
         ],
     }
+
+
+def _as_run(format_of, ranks: int, expert_parallel: bool, dense: str):
+    """The formats the weights run in: as stored, except that MoE experts split by rows over
+    tensor-parallel ranks (no expert parallelism) are held dense."""
+    if ranks == 1 or expert_parallel:
+        return format_of
+    return lambda name, shape: dense if ".experts." in name else format_of(name, shape)
 
 
 def _all_dense(dense: str):

@@ -166,7 +166,7 @@ class Shard:
         d, dv = c.head_dim, c.linear_value_head_dim
         if kind == "vocab":
             rows = self.vocab_rows(c.vocab_size)
-            stop = min(rows.stop, c.vocab_size)
+            stop = max(rows.start, min(rows.stop, c.vocab_size))  # a block past the end: empty
             return _Selection(
                 rows=slice(rows.start, stop), pad_rows=len(rows) - (stop - rows.start)
             )
@@ -251,7 +251,9 @@ class _Selection:
             if cols is not None:
                 per_column = k // plane.shape[1]  # values one column of this plane holds
                 part = part[:, cols.start // per_column : cols.stop // per_column]
-            planes[key] = self._pad(part.contiguous())
+            # a copy: a view would keep the whole stored plane alive (the bench encodes its
+            # random weights on the device, where `.to(device)` then copies nothing)
+            planes[key] = self._pad(part).clone(memory_format=torch.contiguous_format)
         rows = len(next(iter(planes.values())))
         width = k if cols is None else cols.stop - cols.start
         return EncodedTensor(encoded.format, encoded.layout, (rows, width), planes)

@@ -266,3 +266,11 @@ def test_columns_not_on_whole_groups_are_left_to_the_dense_slice():
     assert Shard(0, 2).slice_encoded("layers.1.self_attn.o_proj.weight", encoded, config) is None
     rows = Shard(1, 2).slice_encoded("layers.1.mlp.up_proj.weight", encoded, config)
     assert rows is not None and torch.equal(rows.decode(), encoded.decode()[32:])
+
+
+def test_a_vocabulary_block_past_the_end_is_all_padding():
+    config = _tiny_config(vocab_size=9)  # 8 ranks, blocks of 2: ranks 5..7 hold no real row
+    head = torch.randn(9, 64)
+    parts = [Shard(rank, 8).slice_parameter("lm_head.weight", head, config) for rank in range(8)]
+    assert [p.shape[0] for p in parts] == [2] * 8
+    assert torch.equal(torch.cat(parts)[:9], head) and not torch.cat(parts)[9:].any()

@@ -182,8 +182,10 @@ class GroupwiseExperts(RoutedExperts):
 
         def held_planes(stored: EncodedTensor) -> EncodedTensor:
             count, rows, k = stored.shape
+            # copied even where the stored planes are already on `device` (the bench's random
+            # weights): a view would keep every expert alive
             planes = {
-                name: plane.reshape(count, rows, -1)[held.start : held.stop].to(device)
+                name: plane.reshape(count, rows, -1)[held.start : held.stop].to(device, copy=True)
                 for name, plane in stored.planes.items()
             }
             return EncodedTensor(stored.format, stored.layout, (len(held), rows, k), planes)
