@@ -38,6 +38,7 @@ class BenchOptions:
     peers: list[str] = field(default_factory=list)
     seed: int = 0
     cuda_graph: bool = True
+    overlap: bool = True  # decode steps launched before the one in flight is read back
     profile: bool = False  # per-kernel device time of each case on ninfer (profile.py)
     tensor_parallel: int = 1  # ranks the model is split over (one process and GPU each)
     expert_parallel: bool = False
@@ -117,10 +118,6 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise ConfigError("--expert-parallel needs --tensor-parallel >= 2")
     if ranks > 1 and options.profile:
         raise ConfigError("--profile runs on one rank: leave out --tensor-parallel")
-    if ranks > 1 and options.shape is not None and options.weights != "bf16":
-        raise ConfigError(
-            "--tensor-parallel ranks run their linears dense: give --weights bf16 with --shape"
-        )
     device, dtype = resolve_device(options)
     torch.manual_seed(options.seed)
     kv_itemsize = dtype.itemsize
@@ -136,10 +133,13 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             raise ConfigError(f"model file not found: {path}")
         artifact = Artifact.open(path)
         config = artifact.config()
-        # tensor-parallel ranks hold their slices dense, whatever the file stores
-        formats = artifact_formats(artifact) if ranks == 1 else _all_dense(dense)
-        traffic = Traffic(config, formats, kv_itemsize=kv_itemsize, conv_itemsize=kv_itemsize)
-        weights = "artifact" if ranks == 1 else dense
+        traffic = Traffic(
+            config,
+            _as_run(artifact_formats(artifact), ranks, options.expert_parallel, dense),
+            kv_itemsize=kv_itemsize,
+            conv_itemsize=kv_itemsize,
+        )
+        weights = "artifact"
         if ranks == 1:
             model = load_model(artifact, config, device=device, dtype=dtype)
         else:
@@ -152,7 +152,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         format_of = profile_formats(config, options.weights)
         traffic = Traffic(
             config,
-            format_of,
+            _as_run(format_of, ranks, options.expert_parallel, dense),
             kv_itemsize=kv_itemsize,
             conv_itemsize=kv_itemsize,
         )
@@ -160,7 +160,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         if ranks == 1:
             model = random_model(config, device, dtype, options.seed, format_of=format_of)
         else:
-            source = RandomModel(config, options.seed)
+            source = RandomModel(config, options.seed, options.weights)
         model_label = f"{options.shape} (random weights)"
 
     ceilings = Ceilings(
@@ -172,6 +172,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         options.prefill_chunk,
         options.cuda_graph,
         idle_prefill_chunk=options.idle_prefill_chunk,
+        overlap=options.overlap,
         parallel=RankSplit(source, ranks, options.expert_parallel, device, dtype)
         if ranks > 1
         else None,
@@ -230,6 +231,14 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             for index, row in enumerate(rows)
         ],
     }
+
+
+def _as_run(format_of, ranks: int, expert_parallel: bool, dense: str):
+    """The formats the weights run in: as stored, except that MoE experts split by rows over
+    tensor-parallel ranks (no expert parallelism) are held dense."""
+    if ranks == 1 or expert_parallel:
+        return format_of
+    return lambda name, shape: dense if ".experts." in name else format_of(name, shape)
 
 
 def _all_dense(dense: str):

@@ -76,7 +76,7 @@ def random_model(
     shard = shard or Shard()
     tensors = random_weights(config, device, dtype, seed)
     encoded = {}
-    if format_of is not None and runs_quantized(device, dtype, shard):
+    if format_of is not None and runs_quantized(device, dtype):
         for name in list(tensors):
             if tensors[name].dim() < 2:
                 continue
@@ -91,16 +91,20 @@ def random_model(
 class RandomModel:
     """Random weights in a named shape as the model source of every tensor-parallel rank
     (`ninfer.parallel.launch.ModelSource`): each rank draws the whole model from the seed on
-    its own device and keeps its slice. Tensor-parallel ranks run the dense dtype."""
+    its own device and keeps its slice, encoded where the formats keep it encoded."""
 
     config: dict[str, Any]
     seed: int = 0
+    weights: str = "bf16"  # the stored formats they stand for (bench --weights)
 
     def hf_config(self) -> dict[str, Any]:
         return self.config
 
     def load(self, device: torch.device, dtype: torch.dtype, shard) -> torch.nn.Module:
-        return random_model(self.config, device, dtype, self.seed, shard=shard)
+        from ninfer.bench.traffic import profile_formats
+
+        format_of = profile_formats(self.config, self.weights)
+        return random_model(self.config, device, dtype, self.seed, format_of, shard=shard)
 
     def frontend(self) -> tuple[Any, tuple[int, ...]]:
         return None, ()  # no eos ids: every request runs its full length
@@ -151,6 +155,7 @@ class NinferTarget:
         cuda_graph: bool = True,
         idle_prefill_chunk: int | None = None,
         parallel: RankSplit | None = None,
+        overlap: bool = True,
     ) -> None:
         """`model` is the loaded model; or, with `parallel`, None: each rank (this process is
         rank 0) loads its slice of `parallel.source` (ninfer/parallel/launch.py)."""
@@ -166,6 +171,7 @@ class NinferTarget:
             prefill_chunk=prefill_chunk,
             idle_prefill_chunk=idle_prefill_chunk,
             cuda_graph=cuda_graph,
+            overlap=overlap,
         )
         if parallel is None:
             self.core = build_core(model, config)  # no eos ids: every request runs its length
@@ -199,11 +205,16 @@ class NinferTarget:
             core.add(GenerationRequest(ids, params, detokenize=False), lambda event: None)
         records: list[StepRecord] = []
         _sync(self.device)
+        carried = 0.0  # a call that only launched a step: its time goes to the step's record
         while core.has_work:
+            self.recorder.last = None
             start = time.perf_counter()
             ran = core.step()
-            seconds = time.perf_counter() - start  # a step ends on a host sync (the token ids)
-            if ran:
+            seconds = time.perf_counter() - start + carried  # ends on a host sync (token ids)
+            carried = 0.0
+            if ran and self.recorder.last is None:
+                carried = seconds
+            elif ran:
                 batch = self.recorder.last
                 records.append(
                     StepRecord(
@@ -240,36 +251,43 @@ class _BatchShape:
     sampled: list[bool]
 
 
+@dataclass(slots=True)
+class _LaunchRecord:
+    shape: _BatchShape
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    started: bool = False  # whether the step recorded each event
+    ended: bool = False
+
+
 class _RecordingRunner:
-    """The engine's runner, noting the shape of the batch it ran last (sequences' cached
-    lengths are read before the step advances them) and, on CUDA, bracketing each step's device
-    work with two events on the current stream: `start` just before the first device work
-    (the forward's entry; for a graph replay, again once the inputs are staged, so the host's
-    filling and copying of them counts as host time), `end` once the sampler has queued its
-    work. The step's own host sync on the sampled ids completes both, so reading them afterwards
-    waits for nothing; the hooks add only the events' record calls to the step. With
-    `label_steps` (profiled runs only) each step is also a named profiler range."""
+    """The engine's runner, noting the shape of each batch it launches (sequences' cached
+    lengths are read before the step advances them) and, when a step is read back, which one
+    it was (`last`). On CUDA it brackets each step's device work with two events on the
+    current stream: `start` just before the first device work (the forward's entry; for a
+    graph replay, again once the inputs are staged, so the host's filling and copying of them
+    counts as host time), `end` once the sampler has queued its work. The step's own host sync
+    on the sampled ids completes both, so reading them afterwards waits for nothing; the hooks
+    add only the events' record calls. With `label_steps` (profiled runs only) each launch is
+    also a named profiler range."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.last: _BatchShape | None = None
         self.label_steps = False
-        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self.started = self.ended = False  # whether the last step recorded each event
-        if runner.device.type == "cuda":
-            self.events = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
+        self._cuda = runner.device.type == "cuda"
+        self._current: _LaunchRecord | None = None  # the launch in progress
+        self._launched: dict[int, _LaunchRecord] = {}
+        self._last_record: _LaunchRecord | None = None
+        if self._cuda:
             self._hook(runner)
 
     def _hook(self, runner) -> None:
-        start, end = self.events
         forward, sample = runner.forward, runner.sampler.sample
 
         def record_start() -> None:
-            start.record()
-            self.started = True
+            if self._current is not None and self._current.events is not None:
+                self._current.events[0].record()
+                self._current.started = True
 
         def timed_forward(inputs):
             record_start()
@@ -277,8 +295,9 @@ class _RecordingRunner:
 
         def timed_sample(logits, rows):
             out = sample(logits, rows)
-            end.record()
-            self.ended = True
+            if self._current is not None and self._current.events is not None:
+                self._current.events[1].record()
+                self._current.ended = True
             return out
 
         runner.forward = timed_forward
@@ -292,25 +311,44 @@ class _RecordingRunner:
 
             runner.graphs.stage = timed_stage
 
-    def run(self, batch):
-        self.last = _BatchShape(
+    def launch(self, batch, **kwargs):
+        shape = _BatchShape(
             batch.is_decode,
             tuple(seq.num_cached for seq in batch.seqs),
             batch.query_lens,
             batch.sampled,
         )
-        self.started = self.ended = False
-        if self.label_steps:
-            with record_function(STEP_LABELS[batch.is_decode]):
-                return self.runner.run(batch)
-        return self.runner.run(batch)
+        events = None
+        if self._cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._current = _LaunchRecord(shape, events)
+        try:
+            if self.label_steps:
+                with record_function(STEP_LABELS[batch.is_decode]):
+                    launched = self.runner.launch(batch, **kwargs)
+            else:
+                launched = self.runner.launch(batch, **kwargs)
+        finally:
+            record, self._current = self._current, None
+        self._launched[id(launched)] = record
+        return launched
+
+    def collect(self, launched):
+        result = self.runner.collect(launched)
+        self._last_record = self._launched.pop(id(launched))
+        self.last = self._last_record.shape
+        return result
+
+    def run(self, batch):
+        return self.collect(self.launch(batch))
 
     def device_seconds(self) -> float | None:
-        """Seconds from the last step's start event to its end event; None off CUDA or when
-        the step did not sample."""
-        if self.events is None or not (self.started and self.ended):
+        """Seconds from the last read-back step's start event to its end event; None off CUDA
+        or when the step did not sample."""
+        record = self._last_record
+        if record is None or record.events is None or not (record.started and record.ended):
             return None
-        start, end = self.events
+        start, end = record.events
         return start.elapsed_time(end) / 1e3
 
     def __getattr__(self, name: str):

@@ -66,6 +66,7 @@ class BenchSettings:
     peer: list[str] = field(default_factory=list)
     seed: int = 0
     no_cuda_graph: bool = False
+    no_overlap: bool = False
     profile: bool = False
     tensor_parallel: int = 1
     expert_parallel: bool = False
@@ -181,11 +182,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly (debugging)",
     )
     parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        default=None,
+        help="read each decode step back before launching the next (the host's share unhidden)",
+    )
+    parser.add_argument(
         "--tensor-parallel",
         type=int,
         metavar="N",
         help="split the model over N processes, one GPU each; speed of light per GPU "
-        "(default 1; with --shape, --weights bf16; docs/parallel.md)",
+        "(default 1; docs/parallel.md)",
     )
     parser.add_argument(
         "--expert-parallel",
@@ -253,6 +260,7 @@ def run(inputs: argparse.Namespace) -> int:
             peers=args.peer,
             seed=args.seed,
             cuda_graph=not args.no_cuda_graph,
+            overlap=not args.no_overlap,
             profile=args.profile,
             tensor_parallel=args.tensor_parallel,
             expert_parallel=args.expert_parallel,

@@ -37,6 +37,7 @@ class RunSettings:
     tensor_parallel: int = 1
     expert_parallel: bool = False
     no_cuda_graph: bool = False
+    no_overlap: bool = False
     greedy: bool = False
     temperature: float | None = None
     top_p: float | None = None
@@ -131,6 +132,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run decode steps eagerly instead of from CUDA graphs (debugging)",
     )
+    device.add_argument(
+        "--no-overlap",
+        action="store_true",
+        default=None,
+        help="read each decode step back before launching the next (debugging, comparison)",
+    )
 
     sampling = parser.add_argument_group("sampling (override the model's preset)")
     sampling.add_argument(
@@ -214,6 +221,7 @@ def _engine_config(args: RunSettings):
         tensor_parallel=args.tensor_parallel,
         expert_parallel=args.expert_parallel,
         cuda_graph=not args.no_cuda_graph,
+        overlap=not args.no_overlap,
     )
 
 

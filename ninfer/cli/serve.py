@@ -104,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         model, "--expert-parallel", "MoE: split the experts whole over the tensor-parallel ranks"
     )
     _switch(model, "--no-cuda-graph", "run decode steps eagerly instead of from CUDA graphs")
+    _switch(
+        model,
+        "--no-overlap",
+        "read each decode step back before launching the next (debugging, comparison)",
+    )
     prompt = parser.add_argument_group("prompt defaults")
     _switch(prompt, "--no-thinking", "requests that do not ask for thinking get none")
     _switch(prompt, "--preserve-thinking", "keep reasoning of earlier turns in the prompt")

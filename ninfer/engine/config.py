@@ -35,7 +35,9 @@ class EngineConfig:
     the model is split over (one process each; docs/parallel.md), `expert_parallel`: split the
     MoE experts whole across those ranks instead of slicing each one. `cuda_graph`: replay
     decode steps from CUDA graphs captured at start (CUDA in bf16/fp16, on every rank;
-    ignored elsewhere); off is for debugging.
+    ignored elsewhere); off is for debugging. `overlap`: launch each decode step before the
+    one in flight is read back, so the host's work of a step overlaps the device's work of
+    the step before (one rank; `EngineCore.step`); off for debugging and comparison.
     """
 
     max_context: int = 4096
@@ -52,6 +54,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     expert_parallel: bool = False
     cuda_graph: bool = True
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.max_context < 2:

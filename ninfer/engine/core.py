@@ -15,7 +15,7 @@ import torch
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import ModelCache
 from ninfer.engine.request import FinishReason, GenerationRequest, TokenEvent, Usage
-from ninfer.engine.runner import ModelRunner
+from ninfer.engine.runner import LaunchedStep, ModelRunner
 from ninfer.engine.sampler import Sampler
 from ninfer.engine.scheduler import ScheduledBatch, Scheduler
 from ninfer.engine.sequence import Sequence, Status
@@ -58,6 +58,8 @@ class EngineCore:
             idle_prefill_chunk=config.idle_chunk,
         )
         self.sequences: dict[str, Sequence] = {}
+        # a decode step launched but not yet read back (overlap: see `step`)
+        self._in_flight: LaunchedStep | None = None
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -124,12 +126,21 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Run one unit of work; False when there was nothing to run."""
+        """Run one unit of work; False when there was nothing to run.
+
+        Decode steps overlap the host with the device (`EngineConfig.overlap`): a decode step
+        is launched and left in flight; the next call launches the following decode step,
+        its input ids taken from the device output of the one in flight, and only then waits
+        for and reads back that one. So the host's scheduling, input staging, launches and
+        event delivery of one step run while the device computes the step before it. A
+        request that the step in flight ends (a stop token or string, an abort) has one more
+        row in the step after it, computed and dropped; one that ends by length is left out
+        of it."""
         now = time.perf_counter()
         for seq in list(self.sequences.values()):
             if seq.abort_requested:
@@ -137,18 +148,76 @@ class EngineCore:
         self._expire_waiting(now)
         for seq in self.scheduler.admit(now):
             self.sampler.reset_lane(seq.state_slot)
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            ahead = self._launch_ahead(in_flight)
+            try:
+                self._complete(in_flight)
+            except Exception as exc:  # the step ahead fed on it: it fails with it
+                if ahead is not None:
+                    self._fail_batch(ahead.batch, exc)
+                raise
+            if ahead is not None:  # its fed tokens are recorded now: the pages can be hashed
+                self._advance(ahead.batch)
+                self._in_flight = ahead
+            return True
         batch = self.scheduler.schedule()
         if batch is None:
             return False
-        try:
-            result = self.runner.run(batch)
-        except Exception as exc:  # a failed step fails its requests, not the engine
-            for seq in batch.seqs:
-                self._finish(seq, "error", error=EngineError(f"step failed: {exc!r}"))
-            raise
-        self.scheduler.advance(batch)
-        self._emit(batch, result.token_ids, result.logprobs, time.perf_counter())
+        launched = self._launch(batch)
+        self._advance(batch)
+        if batch.is_decode and self._overlaps():
+            self._in_flight = launched
+        else:
+            self._complete(launched)
         return True
+
+    def _overlaps(self) -> bool:
+        return self.config.overlap and getattr(self.runner, "steps_ahead", False)
+
+    def _launch_ahead(self, in_flight: LaunchedStep) -> LaunchedStep | None:
+        """Launch the decode step after `in_flight` before reading it back, when nothing but
+        those requests' next tokens is to be done (no request in prefill; a request waiting
+        for a lane that `in_flight` frees is admitted one step later)."""
+        if not (self._overlaps() and in_flight.batch.is_decode):
+            return None
+        running = self.scheduler.running
+        if not running or any(seq.in_prefill for seq in running):
+            return None
+        # a request whose in-flight token is its last ends there
+        seqs = [seq for seq in running if len(seq.output_ids) + 1 < seq.max_tokens]
+        if not seqs:
+            return None
+        batch = ScheduledBatch(True, seqs, [1] * len(seqs), [True] * len(seqs))
+        return self._launch(batch, after=in_flight)
+
+    def _launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        try:
+            return self.runner.launch(batch, after=after, done=0 if after is None else 1)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            self._fail_batch(batch, exc)
+            if after is not None:
+                self._fail_batch(after.batch, exc)
+            raise
+
+    def _complete(self, launched: LaunchedStep) -> None:
+        """Wait for a launched step, then record and deliver its tokens."""
+        try:
+            result = self.runner.collect(launched)
+            self._emit(launched.batch, result.token_ids, result.logprobs, time.perf_counter())
+        except Exception as exc:
+            self._fail_batch(launched.batch, exc)
+            raise
+
+    def _fail_batch(self, batch: ScheduledBatch, exc: Exception) -> None:
+        for seq in batch.seqs:
+            self._finish(seq, "error", error=EngineError(f"step failed: {exc!r}"))
+
+    def _advance(self, batch: ScheduledBatch) -> None:
+        """The batch's tokens are in the cache (for the requests still running)."""
+        for seq, n in zip(batch.seqs, batch.query_lens):
+            if seq.status is Status.RUNNING:
+                seq.advance(n)
 
     def _expire_waiting(self, now: float) -> None:
         timeout = self.config.pending_timeout
@@ -162,6 +231,8 @@ class EngineCore:
     def _emit(self, batch: ScheduledBatch, token_ids: list[int], logprobs, now: float) -> None:
         sampled = [seq for seq, s in zip(batch.seqs, batch.sampled) if s]
         for seq, token_id, logprob in zip(sampled, token_ids, logprobs):
+            if seq.status is Status.FINISHED:  # ended while its step was in flight
+                continue
             if not seq.output_ids:
                 seq.first_token_at = now
             seq.output_ids.append(token_id)
@@ -229,6 +300,7 @@ class EngineCore:
         """End every live request with `error` (engine shutdown or a fatal failure)."""
         for seq in list(self.sequences.values()):
             self._finish(seq, "error", error=error)
+        self._in_flight = None  # nothing is left to read back
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -97,8 +97,8 @@ class DecodeBuffers:
         )
 
     def copy_rows_from(self, host: DecodeBuffers, rows: int) -> None:
-        """Copy the first `rows` rows of `host` in (asynchronously from pinned memory; the
-        step's host sync on the sampled ids comes before `host` is filled again)."""
+        """Copy the first `rows` rows of `host` in (asynchronously from pinned memory: `host`
+        must not be filled again until the device has run the copy; `DecodeGraphs.stage`)."""
         for dst, src in zip(self.tensors(), host.tensors()):
             dst[:rows].copy_(src[:rows], non_blocking=True)
 
@@ -194,7 +194,13 @@ class DecodeGraphs:
         self.max_pages = math.ceil(max_context / PAGE_SIZE)
         device = model.device
         rows = self.sizes[-1]
-        self.host = DecodeBuffers.allocate(rows, self.max_pages, "cpu", pin=device.type == "cuda")
+        # Two pinned host copies, used in turn: a step's copy to the device is queued behind
+        # the work before it, and with overlapped steps (EngineCore.step) the next step is
+        # staged while that work may still run; the copy two steps back has been read by then
+        # (the step before the next was read back).
+        pin = device.type == "cuda"
+        self.hosts = [DecodeBuffers.allocate(rows, self.max_pages, "cpu", pin=pin) for _ in "ab"]
+        self._turn = 0
         self.static = DecodeBuffers.allocate(rows, self.max_pages, device)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -276,8 +282,12 @@ class DecodeGraphs:
 
     def stage(self, inputs: StepInputs, size: int) -> None:
         """Put a decode step's inputs, padded to `size` rows, into the static buffers."""
-        fill_decode_rows(self.host, inputs, size, self.cache.scratch_page, self.cache.scratch_slot)
-        self.static.copy_rows_from(self.host, size)
+        host = self.hosts[self._turn]
+        self._turn ^= 1
+        fill_decode_rows(host, inputs, size, self.cache.scratch_page, self.cache.scratch_slot)
+        self.static.copy_rows_from(host, size)
+        if inputs.device_ids is not None:  # the ids a step still in flight samples
+            self.static.input_ids[: len(inputs.device_ids)].copy_(inputs.device_ids)
 
     def forward_static(self, size: int) -> torch.Tensor | None:
         """The decode forward over the first `size` rows of the static buffers, then the

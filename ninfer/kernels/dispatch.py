@@ -25,6 +25,7 @@ from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.triton_support import HAS_TRITON, use_triton
+from ninfer.kernels.x_split import SplitRequest
 from ninfer.quant import EncodedTensor
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -190,23 +191,36 @@ def causal_conv1d(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    split: SplitRequest | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    module = norm_reference
+    """`split`: the integer-GEMV codes the output's consumer wants written beside it
+    (`x_split`; the Triton kernel only)."""
     if use_triton(x):
-        from ninfer.kernels import rms_norm_triton as module
-    return module.rms_norm(x, weight, eps, residual)
+        from ninfer.kernels import rms_norm_triton
+
+        return rms_norm_triton.rms_norm(x, weight, eps, residual, split)
+    return norm_reference.rms_norm(x, weight, eps, residual)
 
 
 def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    split: SplitRequest | None = None,
 ) -> torch.Tensor:
     """The GDN output norm: RMSNorm of each head's row of x, times weight, times silu(z)."""
-    from ninfer.kernels import gated_rms_norm as module
-
     if use_triton(x, z, weight):
-        from ninfer.kernels import gated_rms_norm_triton as module
-    return module.gated_rms_norm(x, z, weight, eps)
+        from ninfer.kernels import gated_rms_norm_triton
+
+        return gated_rms_norm_triton.gated_rms_norm(x, z, weight, eps, split)
+    from ninfer.kernels import gated_rms_norm as reference
+
+    return reference.gated_rms_norm(x, z, weight, eps)
 
 
 def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
@@ -241,20 +255,24 @@ def groupwise_dequant(weight: EncodedTensor, dtype: torch.dtype) -> torch.Tensor
     return dequant_reference.groupwise_dequant(weight, dtype)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(
+    gate: torch.Tensor, up: torch.Tensor, split: SplitRequest | None = None
+) -> torch.Tensor:
     if use_triton(gate, up) and gate.stride(-1) == 1 and up.stride(-1) == 1:
         from ninfer.kernels import swiglu_triton
 
-        return swiglu_triton.silu_mul(gate, up)
+        return swiglu_triton.silu_mul(gate, up, split)
     return swiglu_reference.silu_mul(gate, up)
 
 
-def sigmoid_gate(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate(
+    attn: torch.Tensor, gate: torch.Tensor, split: SplitRequest | None = None
+) -> torch.Tensor:
     """The gated-attention output: attn * sigmoid(gate), [T, heads * head_dim]."""
     if use_triton(attn, gate) and gate.stride(-1) == 1 and attn.dtype == gate.dtype:
         from ninfer.kernels import output_gate_triton
 
-        return output_gate_triton.sigmoid_gate(attn, gate)
+        return output_gate_triton.sigmoid_gate(attn, gate, split)
     return output_gate_reference.sigmoid_gate(attn, gate)
 
 

@@ -11,8 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.groupwise_gemv_triton import split_block
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 ELEMENTS_PER_PROGRAM = 2048  # 16 rows of 128 per program: a 27B decode token is 3 programs
 
@@ -31,9 +33,15 @@ def _gated_rms_norm_kernel(
     stride_z_token,
     stride_z_head,
     eps,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     ROUND_SCALED: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -56,6 +64,24 @@ def _gated_rms_norm_kernel(
     z = tl.load(z_ptr + z_offsets, mask=mask, other=0.0).to(tl.float32)
     out = scaled * (z * tl.sigmoid(z))
     tl.store(out_ptr + row[:, None] * dim + cols[None, :], out.to(dtype), mask=mask)
+    if SPLIT_BITS != 0:
+        # The program's rows are BLOCK_ROWS heads of one token (the caller checks that they
+        # tile the heads and that dim = BLOCK_D): columns of that token's [heads * dim] row.
+        first = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+        token_row = first // heads
+        split_block(
+            out_ptr + token_row * heads * dim,
+            heads * dim,
+            (first % heads) // BLOCK_ROWS,
+            token_row,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            BLOCK_ROWS * BLOCK_D,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+            SPLIT_BLOCK_G,
+        )
 
 
 def _heads(t: torch.Tensor) -> torch.Tensor:
@@ -67,10 +93,16 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
 
 
 def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    split: SplitRequest | None = None,
 ) -> torch.Tensor:
     """Same contract as `gated_rms_norm.gated_rms_norm`; x and z may be strided views (rows
-    must have unit stride along dim, else they are copied). weight in x's dtype or fp32."""
+    must have unit stride along dim, else they are copied). weight in x's dtype or fp32.
+    With `split`, the output carries the integer-GEMV codes of its [tokens, heads * dim]
+    rows (`x_split`), which a reshape to that shape keeps."""
     dim = x.shape[-1]
     x3, z3 = _heads(x), _heads(z)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -78,6 +110,11 @@ def gated_rms_norm(
     if rows:
         block_d = next_power_of_2(dim)
         block_rows = min(max(1, ELEMENTS_PER_PROGRAM // block_d), next_power_of_2(rows))
+        tokens, heads = x3.shape[0], x3.shape[1]
+        buffers = None
+        if block_d == dim and heads % block_rows == 0:
+            buffers = producer_buffers(split, tokens, heads * dim, x.device, block_rows * dim)
+        split_args, split_constants = split_launch_args(split, buffers, out, block_rows * dim)
         _gated_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
             x3,
             z3,
@@ -91,10 +128,14 @@ def gated_rms_norm(
             z3.stride(0),
             z3.stride(1),
             eps,
+            *split_args,
             ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
             BLOCK_ROWS=block_rows,
             BLOCK_D=block_d,
+            **split_constants,
             num_warps=4,
             **pdl_options(x3.device),
         )
+        if buffers is not None:
+            attach(out, split, buffers)
     return out

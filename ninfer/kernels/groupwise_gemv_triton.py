@@ -36,11 +36,16 @@ import triton.language as tl
 
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
+from ninfer.kernels.x_split import (
+    INT_FORMATS,
+    INT_MAX_ROWS,
+    SPLIT_BLOCK_GROUPS,
+    attached,
+    split_buffers,
+)
 from ninfer.quant import EncodedTensor
 
-SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
-# Up to this many x rows run the integer kernel; beyond it the tensor-core kernel.
-INT_MAX_ROWS = 1
+SUPPORTED = INT_FORMATS
 # Integer kernel: weight rows per program (fewer where N is small), code words a program reads
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
@@ -48,7 +53,6 @@ INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).
 INT_STAGES = 3
-SPLIT_BLOCK_GROUPS = 16
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
 # Products that split K share them, so they must not run at once on one device (the engine
@@ -161,28 +165,25 @@ def _groupwise_gemv_kernel(
 
 
 @triton.jit
-def _quantize_x_kernel(
-    x_ptr,
+def split_groups(
+    x_row,
+    K,
+    num_groups,
+    groups,
+    m,
     xq_ptr,
     corr_ptr,
     xscale_ptr,
-    K,
-    num_groups,
-    stride_xm,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """Split each group of GROUP values of an x row into coarse + fine int8 codes,
-    x ~ s * (254 * coarse + fine), and pack them in the weight words' value order: word t of
+    """Split groups `groups` ([BLOCK_G] indices) of GROUP values of x row m, read at x_row,
+    into coarse + fine int8 codes, x ~ s * (254 * coarse + fine), and pack them in the weight
+    words' value order (written to row m of the split buffers, `x_split.split_buffers`): word t of
     parity p holds bytes i = 0..3 of values t * per_word + i * stride + p (q4: the low nibbles
     of a word are its even values, the high nibbles its odd ones)."""
-    await_inputs(PDL)
-    m = tl.program_id(1).to(tl.int64)
-    groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     group_mask = groups < num_groups
-    x_row = x_ptr + m * stride_xm
     ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     x = tl.load(x_row + ks, mask=group_mask[:, None] & (ks < K), other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
@@ -223,6 +224,74 @@ def _quantize_x_kernel(
     if BITS == 4:
         # the q4 codes are read as u = code + 8: sum(u * x) - 8 * sum(x) = sum(code * x)
         tl.store(corr_ptr + x_groups, 8 * tl.sum(sums, axis=1), mask=group_mask)
+
+
+@triton.jit
+def split_block(
+    x_row,
+    width,
+    block_index,
+    m,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """For a kernel that has just stored columns [block_index * BLOCK, + BLOCK) of x row m
+    (BLOCK a multiple of GROUP * BLOCK_G): their split, read back as stored once every thread
+    of the program has stored its part."""
+    tl.debug_barrier()
+    per_block: tl.constexpr = BLOCK // GROUP
+    for first in tl.static_range(0, per_block, BLOCK_G):
+        groups = block_index * per_block + first + tl.arange(0, BLOCK_G)
+        split_groups(
+            x_row,
+            width,
+            width // GROUP,
+            groups,
+            m,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            BITS,
+            GROUP,
+            BLOCK_G,
+        )
+
+
+@triton.jit
+def _quantize_x_kernel(
+    x_ptr,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
+    K,
+    num_groups,
+    stride_xm,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    await_inputs(PDL)
+    m = tl.program_id(1).to(tl.int64)
+    groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    split_groups(
+        x_ptr + m * stride_xm,
+        K,
+        num_groups,
+        groups,
+        m,
+        xq_ptr,
+        corr_ptr,
+        xscale_ptr,
+        BITS,
+        GROUP,
+        BLOCK_G,
+    )
 
 
 @triton.jit
@@ -341,9 +410,7 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
     fp32), in the order `_groupwise_gemv_int_kernel` reads them."""
     m, k = x.shape
     num_groups = padded_k // group
-    codes = torch.empty(m, 2, padded_k // 4, dtype=torch.int32, device=x.device)
-    corr = torch.empty(m, num_groups, dtype=torch.int32, device=x.device)
-    steps = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    codes, corr, steps = split_buffers(m, padded_k, group, x.device)
     grid = (triton.cdiv(num_groups, SPLIT_BLOCK_GROUPS), m)
     _quantize_x_kernel[grid](
         x,
@@ -392,7 +459,11 @@ def _int_linear(
     words = codes.view(torch.int32)
     num_words = words.shape[-1]
     num_groups = scales.shape[-1]
-    x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
+    split = attached(x, bits, group, num_groups)
+    if split is None:
+        x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
+    else:
+        x_codes, corr, steps = split.codes, split.corr, split.steps
     block_n, block_words = _int_config(num_rows, out_rows, x.device)
     words_per_group = group * bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))

@@ -1,6 +1,7 @@
-"""Fused (1 + w) RMSNorm(+residual) in Triton: one program per row, fp32 inside; the residual
-sum is written once, rounded as an unfused add would round it, and the norm reads that value.
-Saves a pass over the hidden state per norm. Reference: `rms_norm.rms_norm`.
+"""Fused (1 + w) RMSNorm(+residual) in Triton: one program per row (per part of a row when it
+also writes the integer GEMV's codes of its output), fp32 inside; the residual sum is written
+once, rounded as an unfused add would round it, and the norm reads that value. Saves a pass
+over the hidden state per norm. Reference: `rms_norm.rms_norm`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.groupwise_gemv_triton import split_groups
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 
 @triton.jit
@@ -28,25 +31,52 @@ def _rms_norm_kernel(
     stride_sum,
     dim,
     eps,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    own = mask  # the columns this program writes: the whole row, or its part when splitting
+    if SPLIT_BITS != 0:
+        part_width: tl.constexpr = SPLIT_GROUP * SPLIT_BLOCK_G
+        first_col = tl.program_id(1) * part_width
+        own = mask & (cols >= first_col) & (cols < first_col + part_width)
     x_row = x_ptr + (row // heads) * stride_x + (row % heads) * stride_x_head
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         total = (x + residual.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
-        tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=mask)
+        tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=own)
         x = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * inv_rms * (1.0 + weight)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=own)
+    if SPLIT_BITS != 0:  # this part's integer-GEMV codes, read back as stored (x_split.py)
+        tl.debug_barrier()
+        groups = tl.program_id(1) * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
+        split_groups(
+            out_ptr + row * stride_out,
+            dim,
+            dim // SPLIT_GROUP,
+            groups,
+            row,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+            SPLIT_BLOCK_G,
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -55,11 +85,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    split: SplitRequest | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `rms_norm.rms_norm`; x may be a strided view: [T, heads, dim] is read
     with both of its strides (q or k heads inside the fused q/k/v product: no copy), other
-    shapes as rows of unit stride (copied where they are not)."""
+    shapes as rows of unit stride (copied where they are not). With `split`, a [T, dim] x's
+    output carries its integer-GEMV codes (`x_split`)."""
     dim = x.shape[-1]
     if x.dim() == 3 and x.stride(-1) == 1:
         x_rows, heads, stride_x, stride_x_head = x, x.shape[1], x.stride(0), x.stride(1)
@@ -73,9 +108,18 @@ def rms_norm(
     else:
         residual_rows = _rows(residual)
         total = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device)
+    buffers = producer_buffers(split, num_rows, dim, x.device) if x.dim() == 2 else None
+    split_args, split_constants = split_launch_args(split, buffers, out)
     if num_rows:
         block = next_power_of_2(dim)
-        _rms_norm_kernel[(num_rows,)](
+        # Splitting, the row is written in parts of SPLIT_BLOCK_G groups, one program each: one
+        # program looping over a 5120-wide row's 80 groups made each norm ~5 us longer than
+        # the norm and a separate split together (docs/performance.md, Measurement 7). Each
+        # part's program still reads the whole row for its sum of squares.
+        parts = 1
+        if buffers is not None:
+            parts = triton.cdiv(dim // split.group, split_constants["SPLIT_BLOCK_G"])
+        _rms_norm_kernel[(num_rows, parts)](
             x_rows,
             residual_rows,
             weight,
@@ -89,10 +133,14 @@ def rms_norm(
             total.stride(0),
             dim,
             eps,
+            *split_args,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            **split_constants,
             num_warps=min(16, max(1, block // 256)),
             **pdl_options(x_rows.device),
         )
     y = out.view(x.shape)
+    if buffers is not None:
+        attach(y, split, buffers)
     return y if residual is None else (y, total.view(x.shape))

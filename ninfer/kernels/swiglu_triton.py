@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.groupwise_gemv_triton import split_block
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 BLOCK = 1024
 
@@ -27,7 +29,13 @@ def _silu_mul_kernel(
     stride_g,
     stride_u,
     stride_o,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     BLOCK: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -38,14 +46,35 @@ def _silu_mul_kernel(
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_BITS != 0:  # this block's integer-GEMV codes (x_split.py)
+        split_block(
+            out_ptr + row * stride_o,
+            n,
+            tl.program_id(1),
+            row,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            BLOCK,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+            SPLIT_BLOCK_G,
+        )
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(
+    gate: torch.Tensor, up: torch.Tensor, split: SplitRequest | None = None
+) -> torch.Tensor:
     """gate, up: [..., n] of one shape with unit stride on the last dim (rows may be strided,
-    e.g. the halves of a fused gate/up product); returns a new [..., n] in gate's dtype."""
+    e.g. the halves of a fused gate/up product); returns a new [..., n] in gate's dtype. With
+    `split`, a [T, n] output carries its integer-GEMV codes (`x_split`)."""
     n = gate.shape[-1]
     gate2, up2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
+    buffers = None
+    if gate.dim() == 2:
+        buffers = producer_buffers(split, out.shape[0], n, out.device, BLOCK)
+    split_args, split_constants = split_launch_args(split, buffers, out, BLOCK)
     if out.numel():
         _silu_mul_kernel[(gate2.shape[0], triton.cdiv(n, BLOCK))](
             gate2,
@@ -55,8 +84,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             gate2.stride(0),
             up2.stride(0),
             out.stride(0),
+            *split_args,
             BLOCK=BLOCK,
+            **split_constants,
             num_warps=4,
             **pdl_options(gate2.device),
         )
-    return out.view(gate.shape)
+    result = out.view(gate.shape)
+    if buffers is not None:
+        attach(result, split, buffers)
+    return result

@@ -27,12 +27,18 @@ from torch import nn
 
 from ninfer.engine.kv_pool import CacheSpec
 from ninfer.errors import UnsupportedModelError
+from ninfer.kernels.x_split import INT_MAX_ROWS, SplitRequest
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.attention import Attention
 from ninfer.models.layers.gated_deltanet import GatedDeltaNet
-from ninfer.models.layers.linear import quantize_linears
+from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, quantize_linears
 from ninfer.models.layers.mlp import MLP
-from ninfer.models.layers.moe import SparseMoE, quantize_experts
+from ninfer.models.layers.moe import (
+    GATHERED_MAX_TOKENS,
+    GroupwiseExperts,
+    SparseMoE,
+    quantize_experts,
+)
 from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
 from ninfer.models.weights import WeightSource
@@ -284,8 +290,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
         with torch.device("meta"):
             model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device, shard=shard)
-        if runs_quantized(torch.device(device), dtype, model.shard):
-            quantize_linears(model, source, torch.device(device), logical_name)
+        if runs_quantized(torch.device(device), dtype):
+            part_of = None
+            if model.shard.world > 1:
+
+                def part_of(name: str, encoded):
+                    return model.shard.slice_encoded(name, encoded, parsed)
+
+            quantize_linears(model, source, torch.device(device), logical_name, part_of)
             quantize_experts(model, source, torch.device(device), logical_name)
         state = {
             name: model.shard.slice_parameter(
@@ -298,6 +310,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         for param in model.parameters():
             param.requires_grad_(False)
         fuse_projections(model)
+        request_x_splits(model)
         if torch.device(device).type == "cuda":
             # the unfused weights' blocks stay cached, and the K/V pool is sized from free memory
             torch.cuda.empty_cache()
@@ -355,11 +368,12 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     is_moe = True
 
 
-def runs_quantized(device: torch.device, dtype: torch.dtype, shard: Shard) -> bool:
+def runs_quantized(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears and MoE experts stored in a group-wise int format stay encoded (GPU
-    kernels in half precision, one rank); elsewhere they are dequantized at load, the exact
-    reference path."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and shard.world == 1
+    kernels in half precision; with tensor parallelism each rank keeps its part encoded where
+    the part is whole groups, `Shard.slice_encoded`); elsewhere they are dequantized at load,
+    the exact reference path."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def fuse_projections(model: nn.Module) -> list[str]:
@@ -376,6 +390,58 @@ def fuse_projections(model: nn.Module) -> list[str]:
         if isinstance(module, SparseMoE) and module.stack_shared_expert():
             fused.append(f"{name}.experts")  # the shared expert stacked with the routed ones
     return fused
+
+
+def _split_request(consumer: nn.Module | None, max_rows: int = INT_MAX_ROWS) -> SplitRequest | None:
+    """The split a linear (or the routed experts' gate_up) that runs the integer GEMV wants
+    written beside its input; None for any other consumer."""
+    if isinstance(consumer, FusedLinear):
+        consumer = consumer.linear
+    if isinstance(consumer, GroupwiseLinear):
+        return SplitRequest.for_format(consumer.format, max_rows)
+    if isinstance(consumer, GroupwiseExperts):
+        return SplitRequest.for_format(consumer.stored_as["gate_up_proj"][0], max_rows)
+    return None
+
+
+def request_x_splits(model: nn.Module) -> int:
+    """Ask every kernel that writes an integer GEMV's input to write x's codes beside it
+    (`kernels/x_split.py`): the decoder layers' two norms, the attention output gate, the GDN
+    gated norm and the SwiGLU products. Runs after `fuse_projections`, on the final linears.
+    Returns how many producers were asked."""
+    asked = 0
+
+    def ask(producer: nn.Module, attr: str, request: SplitRequest | None) -> None:
+        nonlocal asked
+        setattr(producer, attr, request)
+        asked += request is not None
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            ask(module, "o_split", _split_request(module.o_proj))
+        elif isinstance(module, GatedDeltaNet):
+            ask(module.norm, "split_request", _split_request(module.out_proj))
+        elif isinstance(module, MLP):
+            ask(module, "down_split", _split_request(module.down_proj))
+        elif isinstance(module, GroupwiseExperts):
+            down = SplitRequest.for_format(module.stored_as["down_proj"][0], 1 << 30)
+            ask(module, "down_split", down)
+        elif isinstance(module, DecoderLayer):
+            if module.layer_type == "full_attention":
+                attn = module.self_attn
+                first = attn.qkv_proj if attn.qkv_proj is not None else attn.q_proj
+            else:
+                gdn = module.linear_attn
+                first = gdn.in_proj_qkvz if gdn.in_proj_qkvz is not None else gdn.in_proj_qkv
+            ask(module.input_layernorm, "split_request", _split_request(first))
+            if isinstance(module.mlp, SparseMoE):
+                experts = _split_request(module.mlp.experts, GATHERED_MAX_TOKENS)
+                ask(module.post_attention_layernorm, "split_request", experts)
+            else:
+                mlp = module.mlp
+                gate_up = mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.gate_proj
+                ask(module.post_attention_layernorm, "split_request", _split_request(gate_up))
+    return asked
 
 
 def logical_name(param_name: str) -> str:

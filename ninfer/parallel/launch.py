@@ -167,6 +167,8 @@ class HandedOutSlots(StateSlotAllocator):
 class ParallelRunner(ModelRunner):
     """Rank 0's runner: sends each step to the workers, then runs its own share of it."""
 
+    steps_ahead = False  # the workers take a step's ids from the host
+
     def __init__(self, model, cache, sampler, channel: StepChannel, on_close=None) -> None:
         super().__init__(model, cache, sampler)
         self.channel = channel

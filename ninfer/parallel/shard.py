@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ninfer.errors import ConfigError
+from ninfer.quant.formats import EncodedTensor
 
 if TYPE_CHECKING:
     from ninfer.models.qwen3_5 import Qwen3_5Config
@@ -127,20 +128,56 @@ class Shard:
         if match is None:
             return full
         kind = match.lastgroup
+        if kind == "experts_gate_up":  # [E, 2I, H], gate rows then up rows
+            if self.expert_parallel:
+                return full[_span(self.experts(full.shape[0]))]
+            gate, up = full.chunk(2, dim=1)
+            rows = _span(self.split(gate.shape[1], name))
+            return torch.cat([gate[:, rows], up[:, rows]], dim=1)
+        if kind == "experts_down":  # [E, H, I]
+            if self.expert_parallel:
+                return full[_span(self.experts(full.shape[0]))]
+            return full[:, :, _span(self.split(full.shape[2], name))]
+        return self._selection(kind, name, tuple(full.shape), c).dense(full)
+
+    def slice_encoded(
+        self, name: str, encoded: EncodedTensor, c: Qwen3_5Config
+    ) -> EncodedTensor | None:
+        """This rank's part of the 2-D weight `name` kept encoded in a group-wise int format:
+        the same rows and columns `slice_parameter` takes, cut from each plane. None where the
+        columns do not fall on whole groups (or the weight is not one sliced by rows and
+        columns): the caller then slices it dense."""
+        if self.world == 1:
+            return encoded
+        match = _SHARDED.search(name)
+        if match is None or len(encoded.shape) != 2:
+            return None if match is not None else encoded
+        kind = match.lastgroup
+        if kind in ("experts_gate_up", "experts_down"):
+            return None
+        selection = self._selection(kind, name, tuple(encoded.shape), c)
+        return selection.encoded(encoded)
+
+    def _selection(
+        self, kind: str, name: str, shape: tuple[int, ...], c: Qwen3_5Config
+    ) -> _Selection:
+        """The rows (first dimension) and columns (last) of a parameter of `shape` this rank
+        keeps."""
         d, dv = c.head_dim, c.linear_value_head_dim
         if kind == "vocab":
             rows = self.vocab_rows(c.vocab_size)
-            part = full[rows.start : min(rows.stop, c.vocab_size)]
-            pad = len(rows) - part.shape[0]
-            return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+            stop = max(rows.start, min(rows.stop, c.vocab_size))  # a block past the end: empty
+            return _Selection(
+                rows=slice(rows.start, stop), pad_rows=len(rows) - (stop - rows.start)
+            )
         if kind in ("q_proj", "o_proj"):
             heads, _ = self.grouped_heads(c.num_heads, c.num_kv_heads, "num_attention_heads")
             if kind == "q_proj":  # per head [query | gate]
-                return full[heads.start * 2 * d : heads.stop * 2 * d]
-            return full[:, heads.start * d : heads.stop * d]
+                return _Selection(rows=slice(heads.start * 2 * d, heads.stop * 2 * d))
+            return _Selection(cols=slice(heads.start * d, heads.stop * d))
         if kind == "kv_proj":
             _, kv = self.grouped_heads(c.num_heads, c.num_kv_heads, "num_attention_heads")
-            return full[kv.start * d : kv.stop * d]
+            return _Selection(rows=slice(kv.start * d, kv.stop * d))
         values, keys = self.grouped_heads(
             c.linear_num_value_heads, c.linear_num_key_heads, "linear_num_value_heads"
         )
@@ -152,30 +189,74 @@ class Shard:
                     key_dim + torch.arange(keys.start * dk, keys.stop * dk),
                     2 * key_dim + torch.arange(values.start * dv, values.stop * dv),
                 ]
-            ).to(full.device)
-            return full.index_select(0, index)
+            )
+            return _Selection(rows=index)
         if kind == "gdn_value_rows":
-            return full[values.start * dv : values.stop * dv]
+            return _Selection(rows=slice(values.start * dv, values.stop * dv))
         if kind == "gdn_heads":
-            return full[values.start : values.stop]
+            return _Selection(rows=slice(values.start, values.stop))
         if kind == "gdn_out":
-            return full[:, values.start * dv : values.stop * dv]
+            return _Selection(cols=slice(values.start * dv, values.stop * dv))
         if kind == "mlp_in":
-            width = full.shape[0]
-            return full[_span(self.split(width, name))]
+            return _Selection(rows=_span(self.split(shape[0], name)))
         if kind == "mlp_out":
-            return full[:, _span(self.split(full.shape[1], name))]
-        if kind == "experts_gate_up":  # [E, 2I, H], gate rows then up rows
-            if self.expert_parallel:
-                return full[_span(self.experts(full.shape[0]))]
-            gate, up = full.chunk(2, dim=1)
-            rows = _span(self.split(gate.shape[1], name))
-            return torch.cat([gate[:, rows], up[:, rows]], dim=1)
-        if kind == "experts_down":  # [E, H, I]
-            if self.expert_parallel:
-                return full[_span(self.experts(full.shape[0]))]
-            return full[:, :, _span(self.split(full.shape[2], name))]
+            return _Selection(cols=_span(self.split(shape[-1], name)))
         raise AssertionError(kind)
+
+
+@dataclass(frozen=True, slots=True)
+class _Selection:
+    """Rows of the first dimension (a range, or an index) and columns of the last that a rank
+    keeps, and zero rows appended (the vocabulary's padding)."""
+
+    rows: slice | torch.Tensor | None = None
+    cols: slice | None = None
+    pad_rows: int = 0
+
+    def _take_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return tensor
+        if isinstance(self.rows, slice):
+            return tensor[self.rows]
+        return tensor.index_select(0, self.rows.to(tensor.device))
+
+    def _pad(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.pad_rows:
+            return tensor
+        return torch.cat([tensor, tensor.new_zeros(self.pad_rows, *tensor.shape[1:])])
+
+    def dense(self, full: torch.Tensor) -> torch.Tensor:
+        part = self._take_rows(full)
+        if self.cols is not None:
+            part = part[..., self.cols]
+        return self._pad(part)
+
+    def encoded(self, encoded: EncodedTensor) -> EncodedTensor | None:
+        """The same part of a [N, K] weight stored as row-major group-wise planes (each row's
+        values packed along K, a scale per group): rows are rows of every plane; columns must
+        start and end on whole groups, and are the matching columns of each plane. Zero rows
+        decode to zeros (codes 0, scale 0)."""
+        from ninfer.quant import get_format
+
+        group = getattr(get_format(encoded.format), "group", None)
+        _, k = encoded.shape
+        cols = self.cols
+        if group is None or (
+            cols is not None and (k % group or cols.start % group or cols.stop % group)
+        ):
+            return None
+        planes = {}
+        for key, plane in encoded.planes.items():
+            part = self._take_rows(plane)
+            if cols is not None:
+                per_column = k // plane.shape[1]  # values one column of this plane holds
+                part = part[:, cols.start // per_column : cols.stop // per_column]
+            # a copy: a view would keep the whole stored plane alive (the bench encodes its
+            # random weights on the device, where `.to(device)` then copies nothing)
+            planes[key] = self._pad(part).clone(memory_format=torch.contiguous_format)
+        rows = len(next(iter(planes.values())))
+        width = k if cols is None else cols.stop - cols.start
+        return EncodedTensor(encoded.format, encoded.layout, (rows, width), planes)
 
 
 def _span(r: range) -> slice:

@@ -41,6 +41,7 @@ def engine_config(settings: ServeSettings) -> EngineConfig:
         tensor_parallel=settings.tensor_parallel,
         expert_parallel=settings.expert_parallel,
         cuda_graph=not settings.no_cuda_graph,
+        overlap=not settings.no_overlap,
     )
 
 

@@ -47,6 +47,7 @@ class ServeSettings:
     tensor_parallel: int = 1
     expert_parallel: bool = False
     no_cuda_graph: bool = False
+    no_overlap: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

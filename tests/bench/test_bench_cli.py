@@ -196,7 +196,6 @@ def test_two_ranks_report_rows_per_gpu(capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (("--weights", "q4"), "--weights bf16"),
         (("--weights", "bf16", "--profile"), "--profile"),
         (("--weights", "bf16", "--expert-parallel"), "--expert-parallel"),
     ],
@@ -216,3 +215,15 @@ def test_the_floor_of_a_split_step_is_shared_by_its_ranks():
     one = summarize("ninfer", "bf16", case, [steps], traffic, ceilings)
     two = summarize("ninfer", "bf16", case, [steps], traffic, ceilings, ranks=2)
     assert two.speed_of_light == pytest.approx(one.speed_of_light / 2)
+
+
+def test_experts_split_by_rows_are_counted_in_the_dense_dtype_they_run_in():
+    from ninfer.bench.run import _as_run
+
+    stored = profile_formats(SHAPES["tiny-moe"], "q4")
+    name = "text/layers.0.mlp.experts.gate_up_proj"
+    shared = "text/layers.0.mlp.shared_expert.up_proj.weight"
+    split = _as_run(stored, 2, False, "bf16")
+    assert split(name, (4, 64, 64)) == "bf16"
+    assert split(shared, (32, 64)) == stored(shared, (32, 64))
+    assert _as_run(stored, 2, True, "bf16")(name, (4, 64, 64)) == stored(name, (4, 64, 64))

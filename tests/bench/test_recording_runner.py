@@ -1,6 +1,7 @@
 """The bench's recording runner on a stand-in CUDA runner: its two events bracket a step's device
 work (from the staged graph replay, or the eager forward, to the sampler's last launch), so a
-step's host time excludes nothing the device ran and includes the host's input staging."""
+step's host time excludes nothing the device ran and includes the host's input staging; with a
+step launched before the one in flight is read back, each read-back step keeps its own."""
 
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ class FakeRunner:
         Clock.now += 0.003
         return "tokens"
 
-    def run(self, batch):
+    def launch(self, batch, **kwargs):
         logits = self.forward(None)
         if batch.sampled[0]:
             self.sampler.sample(logits, [])
+        return batch
+
+    def collect(self, launched):
         Clock.now += 0.004  # the host sync and turning ids into events
-        return logits
+        return launched
 
 
 def batch(sampled: bool = True):
@@ -95,3 +99,17 @@ def test_a_cpu_runner_is_not_hooked():
     recorder.run(batch())
     assert recorder.device_seconds() is None
     assert "forward" not in vars(runner)
+
+
+def test_a_step_read_back_after_the_next_launch_keeps_its_own_time_and_shape():
+    recorder = _RecordingRunner(FakeRunner(graphed=True))
+    first = recorder.launch(batch())
+    Clock.now += 0.050  # the host does other work before launching the next step
+    second_batch = batch()
+    second_batch.seqs[0].num_cached = 4
+    second = recorder.launch(second_batch)
+    recorder.collect(first)
+    assert recorder.device_seconds() == pytest.approx(0.013)
+    assert recorder.last.context_lens == (3,)
+    recorder.collect(second)
+    assert recorder.last.context_lens == (4,)

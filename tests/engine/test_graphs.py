@@ -277,3 +277,21 @@ def test_a_capture_that_goes_wrong_is_ended_and_reported(monkeypatch, order, mes
     began = [entry.split()[1] for entry in log if entry.startswith("begin")]
     ended = [entry.split()[1] for entry in log if entry.startswith("end")]
     assert began == ended
+
+
+def test_staging_alternates_host_copies_and_takes_device_ids(make_core):
+    """With overlapped steps the next step is staged while the copy from the last one's host
+    buffers may still be queued: consecutive steps fill different host copies. A step fed by
+    the one in flight takes its ids from the given device tensor."""
+    model = make_core().runner.model
+    cache = ModelCache(model.cache_spec(), 4, 2, scratch=True)
+    graphs = DecodeGraphs(model, cache, max_context=PAGE_SIZE, sizes=[1, 2])
+    first = decode_inputs([(5, [1], 0, 11), (6, [2], 1, 12)])
+    graphs.stage(first, 2)
+    written = [t.clone() for t in graphs.hosts[0].tensors()]
+    second = decode_inputs([(6, [1], 0, 0), (7, [2], 1, 0)])
+    second.device_ids = torch.tensor([21, 22])
+    graphs.stage(second, 2)
+    assert all(torch.equal(a, b) for a, b in zip(graphs.hosts[0].tensors(), written))
+    assert graphs.static.input_ids[:2].tolist() == [21, 22]
+    assert graphs.static.positions[:2].tolist() == [6, 7]

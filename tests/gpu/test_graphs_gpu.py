@@ -94,6 +94,23 @@ def test_greedy_tokens_with_graphs_equal_tokens_without(max_concurrency, prefill
     assert graphed == eager
 
 
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+def test_overlapped_steps_give_the_tokens_of_steps_read_back_one_by_one(cuda_graph):
+    """Each decode step launched before the one in flight is read back, its ids taken from
+    that step's device output (EngineConfig.overlap): the same tokens, and the steps really
+    overlap (a launch between another launch and its read-back)."""
+    requests = mixed_requests(5, 12)
+    fields = dict(max_context=512, max_concurrency=4, prefill_chunk=128, cuda_graph=cuda_graph)
+    one_by_one = tokens(shipped_model_path(), requests, overlap=False, **fields)
+    core = load_core(shipped_model_path(), EngineConfig(device="cuda", dtype="bfloat16", **fields))
+    calls = []
+    launch, collect = core.runner.launch, core.runner.collect
+    core.runner.launch = lambda *a, **k: calls.append("launch") or launch(*a, **k)
+    core.runner.collect = lambda launched: calls.append("collect") or collect(launched)
+    assert run_core(core, requests) == one_by_one
+    assert any(calls[i : i + 3] == ["launch", "launch", "collect"] for i in range(len(calls)))
+
+
 def test_batches_padded_to_a_larger_graph_give_the_same_tokens():
     """Graphs of 2 and 8 rows only: batches of 1 and 3..7 run with padding rows."""
     requests = mixed_requests(11, 14)

@@ -1,5 +1,6 @@
 """Tensor and expert parallelism over NCCL on two GPUs, against one GPU on the same tiny random
-models (dense and MoE):
+models (dense and MoE, and a dense one stored in group-wise int formats, which every rank keeps
+encoded in part):
 - fp32, eager: every split gives the single-GPU greedy tokens exactly;
 - bf16 with CUDA graphs on every rank (the all-reduces and the logits' all-gather captured):
   each token's logits stay within bf16 tolerance of the single GPU's, teacher-forced along the
@@ -39,6 +40,11 @@ def models(tmp_path_factory):
     for name, options in (("dense", {"tokenizer": False}), ("moe", {"moe": True})):
         (root / name).mkdir()
         paths[name] = convert_tiny(root / name, weights="bf16", **options)[1]
+    # group-wise int weights wide enough that every rank's columns are whole groups
+    (root / "dense-q4").mkdir()
+    paths["dense-q4"] = convert_tiny(
+        root / "dense-q4", weights="groupwise-int", hidden=256, tokenizer=False
+    )[1]
     return paths
 
 
@@ -70,7 +76,9 @@ def test_fp32_split_gives_the_single_gpu_greedy_tokens(models, run_case, model, 
     assert split["tokens"] == one["tokens"]
 
 
-@pytest.mark.parametrize(("model", "world", "ep"), SPLITS, ids=IDS)
+@pytest.mark.parametrize(
+    ("model", "world", "ep"), [*SPLITS, ("dense-q4", 2, False)], ids=[*IDS, "dense-q4-tp2"]
+)
 def test_bf16_split_with_graphs_stays_within_tolerance(models, run_case, model, world, ep):
     one = run_case(models[model], 1, False, "bfloat16", True)
     split = run_case(models[model], world, ep, "bfloat16", True)

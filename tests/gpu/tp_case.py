@@ -22,28 +22,38 @@ MAX_TOKENS = 12
 
 
 def record(core) -> dict[str, list[torch.Tensor]]:
-    """Wrap the core's runner so that every sampled row's logits are kept, by request id."""
+    """Wrap the core's runner so that every sampled row's logits are kept, by request id:
+    the logits a launch computes are kept with it until the step is read back (a step may be
+    launched before the one before it is read back)."""
     runner = core.runner
-    forward, run = runner.forward, runner.run
+    forward, launch, collect = runner.forward, runner.launch, runner.collect
     logits_by_request: dict[str, list[torch.Tensor]] = {}
-    last: list[torch.Tensor | None] = [None]
+    computed: list[torch.Tensor | None] = [None]
+    launched_logits: dict[int, torch.Tensor | None] = {}
 
     def recording_forward(inputs):
         logits = forward(inputs)
-        last[0] = None if logits is None else logits.float().cpu()
+        computed[0] = None if logits is None else logits.float().cpu()
         return logits
 
-    def recording_run(batch):
-        last[0] = None
-        result = run(batch)
+    def recording_launch(batch, **kwargs):
+        computed[0] = None
+        launched = launch(batch, **kwargs)
+        launched_logits[id(launched)] = computed[0]
+        return launched
+
+    def recording_collect(launched):
+        result = collect(launched)
+        logits = launched_logits.pop(id(launched))
+        batch = launched.batch
         ids = [seq.request.request_id for seq, s in zip(batch.seqs, batch.sampled) if s]
-        if last[0] is not None:
+        if logits is not None:
             for row, request_id in enumerate(ids):
-                logits_by_request.setdefault(request_id, []).append(last[0][row])
+                logits_by_request.setdefault(request_id, []).append(logits[row])
         return result
 
     runner.forward = recording_forward
-    runner.run = recording_run
+    runner.launch, runner.collect = recording_launch, recording_collect
     return logits_by_request
 
 

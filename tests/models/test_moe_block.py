@@ -67,6 +67,10 @@ class LaunchCount(TorchDispatchMode):
         return launch
 
 
+def silu_mul_shape(gate, up, split=None):
+    return gate * up
+
+
 def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int]:
     """The launches of one decode step of `block` in bf16, traced on the meta device."""
     block = block.to(device="meta", dtype=torch.bfloat16)
@@ -81,7 +85,7 @@ def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int
     monkeypatch.setattr(moe, "grouped_groupwise_linear", count.kernel("grouped_gemv", grouped))
     monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
     for module in (moe, mlp):
-        monkeypatch.setattr(module, "silu_mul", count.kernel("silu_mul", torch.mul))
+        monkeypatch.setattr(module, "silu_mul", count.kernel("silu_mul", silu_mul_shape))
     monkeypatch.setattr(moe, "moe_route", count.kernel("route", moe.moe_route))
     monkeypatch.setattr(moe, "moe_combine", count.kernel("combine", moe.moe_combine))
     x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")

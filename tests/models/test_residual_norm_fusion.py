@@ -75,9 +75,9 @@ def test_every_residual_add_but_the_first_is_fused_into_a_norm(tiny_models, monk
     fused_norms, plain_norms = [], []
     real = norms.rms_norm
 
-    def recording(x, weight, eps, residual=None):
+    def recording(x, weight, eps, residual=None, split=None):
         (plain_norms if residual is None else fused_norms).append(x.shape)
-        return real(x, weight, eps, residual)
+        return real(x, weight, eps, residual, split)
 
     monkeypatch.setattr(norms, "rms_norm", recording)
     runner.step({"a": [9]})

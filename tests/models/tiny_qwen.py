@@ -91,11 +91,28 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# Configs for the kernel-path tests only (not the transformers matrix above): every
+# projection width a whole number of 64-value groups (x splits, kernels/x_split.py).
+KERNEL_CONFIGS: dict[str, dict] = {
+    "dense_whole_groups": dict(
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+    ),
+}
+
 
 def make_hf_model(name: str, seed: int = 0, hidden_size: int = 32):
     """A random HF model (fp32, eval). Every parameter is randomised, norms included, so the
     (1 + w) and plain-w conventions are both exercised."""
-    kwargs = dict(TINY_CONFIGS[name])
+    kwargs = dict(TINY_CONFIGS[name] if name in TINY_CONFIGS else KERNEL_CONFIGS[name])
     is_moe = kwargs.pop("moe", False)
     kwargs.update(
         vocab_size=VOCAB, hidden_size=hidden_size, num_hidden_layers=len(kwargs["layer_types"])

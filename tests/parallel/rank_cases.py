@@ -73,6 +73,7 @@ def echo_steps(rank: int, init_method: str, steps: list, out_path: str) -> None:
         received = []
         while (step := channel.receive()) is not None:
             inputs, fresh = step
-            received.append([list(dataclasses.astuple(inputs)), fresh])
+            fields = [f.name for f in dataclasses.fields(inputs) if f.name != "device_ids"]
+            received.append([[getattr(inputs, name) for name in fields], fresh])
         Path(out_path).write_text(json.dumps(received))
     dist.destroy_process_group()

@@ -208,3 +208,69 @@ def test_the_step_channel_carries_short_and_long_steps(tmp_path):
         echo_steps, args=(init_method, steps, str(out)), nprocs=2, start_method="spawn"
     )
     assert json.loads(out.read_text()) == [[list(fields), fresh] for fields, fresh in steps]
+
+
+@pytest.fixture(scope="module")
+def quantized_artifact(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel-q4")
+    return convert_tiny(root, weights="groupwise-int", hidden=256, tokenizer=False)[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_keeps_its_part_of_an_encoded_weight_encoded(quantized_artifact, world):
+    """Every linear stored in a GEMV format: the part `slice_encoded` cuts from the planes
+    decodes to exactly the part `slice_parameter` cuts from the decoded weight, for every
+    rank; and `quantize_linears` on a rank's model keeps those parts encoded."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.layers.linear import GEMV_FORMATS, GroupwiseLinear, quantize_linears
+    from ninfer.models.qwen3_5 import logical_name
+    from ninfer.models.registry import model_class
+
+    artifact = Artifact.open(quantized_artifact)
+    hf_config = artifact.config()
+    cls = model_class(hf_config)
+    parsed = Qwen3_5Config.from_hf(hf_config, is_moe=cls.is_moe)
+    checked = set()
+    for rank in range(world):
+        shard = Shard(rank, world)
+        with torch.device("meta"):
+            model = cls(parsed, with_mtp=False, device="meta", shard=shard)
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        for name in linears:
+            try:
+                encoded = artifact.encoded(logical_name(f"{name}.weight"))
+            except KeyError:
+                continue
+            if encoded.format not in GEMV_FORMATS:
+                continue
+            part = shard.slice_encoded(f"{name}.weight", encoded, parsed)
+            expected = shard.slice_parameter(f"{name}.weight", encoded.decode(), parsed)
+            assert part is not None, name
+            assert torch.equal(part.decode(), expected), name
+            checked.add(name.split(".")[-1])
+
+        def part_of(name, encoded, shard=shard):
+            return shard.slice_encoded(name, encoded, parsed)
+
+        kept = quantize_linears(model, artifact, torch.device("cpu"), logical_name, part_of)
+        assert kept and all(isinstance(model.get_submodule(n), GroupwiseLinear) for n in kept)
+    # row-split (q, k, v, GDN channels, MLP in) and column-split (o, GDN out, MLP down) alike
+    assert {"q_proj", "o_proj", "in_proj_qkv", "out_proj", "up_proj", "down_proj"} <= checked
+
+
+def test_columns_not_on_whole_groups_are_left_to_the_dense_slice():
+    from ninfer.quant import get_format
+
+    config = _tiny_config()  # o_proj's 64 columns over 2 ranks: 32 each, half a q4 group
+    encoded = get_format("q4_g64_fp16").encode(torch.randn(64, 64))
+    assert Shard(0, 2).slice_encoded("layers.1.self_attn.o_proj.weight", encoded, config) is None
+    rows = Shard(1, 2).slice_encoded("layers.1.mlp.up_proj.weight", encoded, config)
+    assert rows is not None and torch.equal(rows.decode(), encoded.decode()[32:])
+
+
+def test_a_vocabulary_block_past_the_end_is_all_padding():
+    config = _tiny_config(vocab_size=9)  # 8 ranks, blocks of 2: ranks 5..7 hold no real row
+    head = torch.randn(9, 64)
+    parts = [Shard(rank, 8).slice_parameter("lm_head.weight", head, config) for rank in range(8)]
+    assert [p.shape[0] for p in parts] == [2] * 8
+    assert torch.equal(torch.cat(parts)[:9], head) and not torch.cat(parts)[9:].any()

@@ -11,6 +11,7 @@ from ninfer.kernels.dispatch import (
     sigmoid_gate,
     write_kv,
 )
+from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import RMSNorm
@@ -39,6 +40,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self.qkv_proj: FusedLinear | None = None
+        # the integer-GEMV codes o_proj wants beside its input (`request_x_splits`)
+        self.o_split: SplitRequest | None = None
 
     def fuse_projections(self) -> list[str]:
         """Stack q_proj, k_proj and v_proj where their weights allow (`fuse_into`); returns
@@ -84,4 +87,4 @@ class Attention(nn.Module):
                 ctx.seq_lens,
                 scale,
             )
-        return self.o_proj(sigmoid_gate(out, gate))
+        return self.o_proj(sigmoid_gate(out, gate, self.o_split))

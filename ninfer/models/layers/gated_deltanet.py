@@ -118,5 +118,7 @@ class GatedDeltaNet(nn.Module):
             ctx.query_start,
         )
         z = z.view(tokens, self.num_value_heads, self.value_head_dim)
-        out = self.norm(out, z).reshape(tokens, self.value_dim)
-        return self.out_proj(out)
+        # `normed` holds the norm's output (and so its x split, kernels/x_split.py) alive
+        # while out_proj reads the reshape: under inference mode a view keeps no base
+        normed = self.norm(out, z)
+        return self.out_proj(normed.reshape(tokens, self.value_dim))

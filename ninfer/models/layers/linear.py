@@ -74,10 +74,14 @@ class GroupwiseLinear(nn.Module):
 GEMV_FORMATS = frozenset({"q8_g32_fp16", "q4_g64_fp16"})
 
 
-def quantize_linears(model: nn.Module, source, device: torch.device, to_logical) -> list[str]:
+def quantize_linears(
+    model: nn.Module, source, device: torch.device, to_logical, part_of=None
+) -> list[str]:
     """Replace every `nn.Linear` of `model` whose weight `source.encoded(name)` stores in a GEMV
     format by a `GroupwiseLinear` holding the planes on `device`. `to_logical` maps a parameter
-    name to its logical tensor name. Returns the replaced modules' names."""
+    name to its logical tensor name; `part_of(parameter name, encoded)` (tensor parallelism)
+    cuts this rank's part of a stored weight, None where it cannot stay encoded. Returns the
+    replaced modules' names."""
     encoded_of = getattr(source, "encoded", None)
     if encoded_of is None:
         return []
@@ -89,7 +93,13 @@ def quantize_linears(model: nn.Module, source, device: torch.device, to_logical)
             encoded = encoded_of(to_logical(f"{name}.weight"))
         except (KeyError, ArtifactError):
             continue  # not stored as one object (parts), or not in the source
-        if encoded.format not in GEMV_FORMATS or tuple(encoded.shape) != tuple(module.weight.shape):
+        if encoded.format not in GEMV_FORMATS:
+            continue
+        if part_of is not None:
+            encoded = part_of(f"{name}.weight", encoded)
+            if encoded is None:
+                continue
+        if tuple(encoded.shape) != tuple(module.weight.shape):
             continue
         planes = {key: plane.to(device) for key, plane in encoded.planes.items()}
         layer = GroupwiseLinear(

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ninfer.kernels.dispatch import silu_mul
+from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 
 
@@ -15,6 +16,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up_proj: FusedLinear | None = None
+        # the integer-GEMV codes down_proj wants beside its input (`request_x_splits`)
+        self.down_split: SplitRequest | None = None
 
     def fuse_projections(self) -> list[str]:
         """Stack gate_proj and up_proj where their weights allow (`fuse_into`); returns the
@@ -26,4 +29,4 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up_proj(x)
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul(gate, up, self.down_split))

@@ -35,6 +35,7 @@ from ninfer.kernels.dispatch import (
     moe_route,
     silu_mul,
 )
+from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.layers.linear import (
     GEMV_FORMATS,
     FusedLinear,
@@ -149,6 +150,8 @@ class GroupwiseExperts(RoutedExperts):
         self.num_experts = len(experts)
         # local index of the shared expert once stacked after the held ones (`stack_shared`)
         self.shared_local: int | None = None
+        # the integer-GEMV codes the grouped down GEMV wants beside its input
+        self.down_split: SplitRequest | None = None
         self.plane_names: dict[str, tuple[str, ...]] = {}
         self.stored_as: dict[str, tuple[str, str, tuple[int, ...]]] = {}
         for proj, encoded in (("gate_up_proj", gate_up), ("down_proj", down)):
@@ -179,8 +182,10 @@ class GroupwiseExperts(RoutedExperts):
 
         def held_planes(stored: EncodedTensor) -> EncodedTensor:
             count, rows, k = stored.shape
+            # copied even where the stored planes are already on `device` (the bench's random
+            # weights): a view would keep every expert alive
             planes = {
-                name: plane.reshape(count, rows, -1)[held.start : held.stop].to(device)
+                name: plane.reshape(count, rows, -1)[held.start : held.stop].to(device, copy=True)
                 for name, plane in stored.planes.items()
             }
             return EncodedTensor(stored.format, stored.layout, (len(held), rows, k), planes)
@@ -278,7 +283,8 @@ class GroupwiseExperts(RoutedExperts):
         is 0..P-1, the rows the down projection reads). Two grouped GEMVs and the activation."""
         gate_up = grouped_groupwise_linear(x, self.gate_up_proj, pair_tokens, pair_experts)
         gate, up = gate_up.chunk(2, dim=-1)
-        return grouped_groupwise_linear(silu_mul(gate, up), self.down_proj, pairs, pair_experts)
+        hidden = silu_mul(gate, up, self.down_split)
+        return grouped_groupwise_linear(hidden, self.down_proj, pairs, pair_experts)
 
     def _forward_grouped_mm(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor

@@ -1,0 +1,110 @@
+"""Producers of an integer GEMV's input write its codes beside it (`kernels/x_split.py`),
+under Triton's CPU interpreter: RMSNorm(+residual), the SwiGLU product, the attention output
+gate and the GDN gated norm each attach exactly what the split kernel makes of their output
+(in the consumer's shape), nothing when not asked or over more rows than the GEMV takes, and
+the GEMV then computes the same product without splitting x again. fp16 here
+(tests/triton_interpreter.py says why)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import load_kernel_module, require_interpreter
+
+from ninfer.kernels.x_split import SplitRequest, attached
+from ninfer.quant import get_format
+
+require_interpreter()
+
+FORMATS = ["q4_g64_fp16", "q8_g32_fp16"]
+DTYPE = torch.float16
+
+
+def rms_norm(request, tokens):
+    module = load_kernel_module("rms_norm_triton")
+    x, residual = torch.randn(tokens, 2048).to(DTYPE), torch.randn(tokens, 2048).to(DTYPE)
+    normed, _ = module.rms_norm(x, torch.randn(2048) * 0.1, 1e-6, residual, request)
+    return normed
+
+
+def silu_mul(request, tokens):
+    module = load_kernel_module("swiglu_triton")
+    gate_up = torch.randn(tokens, 2 * 3072).to(DTYPE)  # two fused halves: strided rows
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.silu_mul(gate, up, request)
+
+
+def sigmoid_gate(request, tokens):
+    module = load_kernel_module("output_gate_triton")
+    query_gate = torch.randn(tokens, 8, 2 * 256).to(DTYPE)
+    attn = torch.randn(tokens, 8, 256).to(DTYPE)
+    return module.sigmoid_gate(attn, query_gate[..., 256:], request)
+
+
+def gated_rms_norm(request, tokens):
+    module = load_kernel_module("gated_rms_norm_triton")
+    x, z = torch.randn(tokens, 32, 128).to(DTYPE), torch.randn(tokens, 32, 128).to(DTYPE)
+    return module.gated_rms_norm(x, z, torch.randn(128).to(DTYPE), 1e-6, request).reshape(
+        tokens, 32 * 128
+    )
+
+
+PRODUCERS = [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("produce", PRODUCERS, ids=lambda f: f.__name__)
+def test_producer_attaches_the_split_of_its_output(produce, fmt):
+    torch.manual_seed(0)
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    request = SplitRequest.for_format(fmt)
+    x = produce(request, 1)
+    bits, group = request.bits, request.group
+    split = attached(x, bits, group, x.shape[1] // group)
+    assert split is not None
+    codes, corr, steps = gemv.split_x(x.contiguous(), bits, group, x.shape[1])
+    assert torch.equal(split.codes, codes) and torch.equal(split.steps, steps)
+    if bits == 4:  # q8 has no correction term
+        assert torch.equal(split.corr, corr)
+
+
+@pytest.mark.parametrize("produce", PRODUCERS, ids=lambda f: f.__name__)
+def test_nothing_attached_unasked_or_over_the_rows_the_gemv_takes(produce):
+    request = SplitRequest.for_format("q4_g64_fp16")
+    assert attached(produce(None, 1), 4, 64, 32) is None
+    two_rows = produce(request, 2)
+    assert attached(two_rows, 4, 64, two_rows.shape[1] // 64) is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_takes_the_attached_codes_and_gives_the_same_product(fmt, monkeypatch):
+    torch.manual_seed(1)
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    x = rms_norm(SplitRequest.for_format(fmt), 1)
+    weight = get_format(fmt).encode(torch.randn(96, x.shape[1]) * 0.05)
+    expected = gemv.integer_linear(x.clone(), weight)
+
+    def no_split(*args):
+        raise AssertionError("x split again")
+
+    monkeypatch.setattr(gemv, "split_x", no_split)
+    assert torch.equal(gemv.integer_linear(x, weight), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("width", [2112, 5120])  # 33 groups of 64: the last part is partial
+def test_rms_norm_split_in_parts_writes_the_rows_it_writes_unsplit(fmt, width):
+    """Splitting, RMSNorm runs a program per part of the row; together they write the same
+    normed row and residual sum as the one program that does not split, and the codes of it."""
+    torch.manual_seed(1)
+    module = load_kernel_module("rms_norm_triton")
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    x, residual = torch.randn(1, width).to(DTYPE), torch.randn(1, width).to(DTYPE)
+    weight = torch.randn(width) * 0.1
+    request = SplitRequest.for_format(fmt)
+    normed, total = module.rms_norm(x, weight, 1e-6, residual, request)
+    plain_normed, plain_total = module.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(normed, plain_normed) and torch.equal(total, plain_total)
+    split = attached(normed, request.bits, request.group, width // request.group)
+    codes, _, steps = gemv.split_x(plain_normed, request.bits, request.group, width)
+    assert torch.equal(split.codes, codes) and torch.equal(split.steps, steps)
