@@ -19,7 +19,9 @@ from ninfer.artifact.artifact import Artifact
 from ninfer.artifact.convert import convert
 from ninfer.engine.kv_pool import PAGE_SIZE, ModelCache
 from ninfer.models.context import make_context
+from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear
 from ninfer.models.registry import load_model
+from ninfer.quant import get_format
 
 VOCAB = 96
 
@@ -216,3 +218,26 @@ class Runner:
         self.cache.check_integrity()
         self.hidden = split(hidden)
         return split(logits) if mtp_logits is None else (split(logits), split(mtp_logits))
+
+
+def keep_linears_in_q4(model: torch.nn.Module, reference: torch.nn.Module | None = None) -> None:
+    """The decoder's fused and output linears kept in q4 as on the GPU (`GroupwiseLinear`);
+    `reference`, the same model loaded again, gets their dequantized weights, so the two
+    compute the same products."""
+    q4 = get_format("q4_g64_fp16")
+    pairs = zip(model.modules(), (reference or model).modules())
+    for module, twin in list(pairs):
+        for name, child in list(module.named_children()):
+            source = getattr(twin, name)
+            if isinstance(child, FusedLinear):
+                encoded = q4.encode(source.linear.weight.float())
+                child.linear = GroupwiseLinear(encoded)
+                target = source.linear
+            elif isinstance(child, torch.nn.Linear) and name in ("o_proj", "out_proj", "down_proj"):
+                encoded = q4.encode(source.weight.float())
+                setattr(module, name, GroupwiseLinear(encoded))
+                target = source
+            else:
+                continue
+            if reference is not None:
+                target.weight.data = encoded.decode(target.weight.dtype)
