@@ -145,15 +145,18 @@ def widen_to_q8(encoded: EncodedTensor, rows_per_block: int = 8192) -> EncodedTe
     source = get_format(encoded.format)
     if not (isinstance(source, GroupwiseIntFormat) and 4 < source.bits < 8 and source.group == 64):
         raise ValueError(f"{encoded.format} does not widen to q8_g32_fp16")
+    # q8_g32 pads K to 32, maybe less than the 64-group format did: the columns past it are
+    # padding zeros, dropped so that the planes are q8_g32's own (and stack with native ones)
+    kp = align_up(rows_and_k(tuple(encoded.shape))[1], 32)
     scales = encoded.planes["scales"]
-    rows, groups = scales.shape
-    codes = torch.empty(rows, groups * 64, dtype=torch.int8, device=scales.device)
+    rows = scales.shape[0]
+    codes = torch.empty(rows, kp, dtype=torch.int8, device=scales.device)
     for start in range(0, rows, rows_per_block):
         block = {
             name: plane[start : start + rows_per_block] for name, plane in encoded.planes.items()
         }
-        codes[start : start + rows_per_block] = source.unpack_codes(block).to(torch.int8)
-    scales = scales.repeat_interleave(2, dim=-1)
+        codes[start : start + rows_per_block] = source.unpack_codes(block)[:, :kp].to(torch.int8)
+    scales = scales.repeat_interleave(2, dim=-1)[:, : kp // 32].contiguous()
     planes = {"codes": codes, "scales": scales}
     return EncodedTensor("q8_g32_fp16", encoded.layout, encoded.shape, planes)
 

@@ -142,7 +142,7 @@ def test_slab_encoding_equals_whole_tensor_encoding():
 
 
 @pytest.mark.parametrize("name", ["q5_g64_fp16", "q6_g64_fp16"])
-@pytest.mark.parametrize("k", [64, 100])
+@pytest.mark.parametrize("k", [64, 96, 100])
 def test_widening_to_q8_keeps_every_value(name, k):
     """q5/q6 codes fit in int8 and a 64-group's scale serves both of its 32-groups: the q8
     tensor decodes to the same bits, K padding included; rows go a block at a time."""
@@ -152,6 +152,10 @@ def test_widening_to_q8_keeps_every_value(name, k):
     assert wide.format == "q8_g32_fp16" and wide.shape == encoded.shape
     assert torch.equal(wide.decode(torch.float32), encoded.decode(torch.float32))
     assert wide.planes["codes"].dtype == torch.int8
+    native = get_format("q8_g32_fp16").encode(torch.randn(21, k))  # stacks with it
+    assert {n: p.shape[1:] for n, p in wide.planes.items()} == {
+        n: p.shape[1:] for n, p in native.planes.items()
+    }
 
 
 @pytest.mark.parametrize("name", ["q4_g64_fp16", "q8_g32_fp16"])
