@@ -14,6 +14,8 @@ from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import kv_write as kv_write_reference
+from ninfer.kernels import moe_combine as combine_reference
+from ninfer.kernels import moe_routing as routing_reference
 from ninfer.kernels import output_gate as output_gate_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
@@ -21,6 +23,7 @@ from ninfer.kernels import rotary as rotary_reference
 from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
+from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.triton_support import HAS_TRITON, use_triton
 from ninfer.quant import EncodedTensor
 
@@ -263,3 +266,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
         return rotary_triton.apply_rotary(x, cos, sin)
     return rotary_reference.apply_rotary(x, cos, sin)
+
+
+def moe_route(
+    logits: torch.Tensor,
+    top_k: int,
+    dtype: torch.dtype,
+    first: int,
+    count: int,
+    shared: bool = False,
+) -> Routes:
+    """MoE routing (`moe_routing.moe_route`): one Triton kernel on CUDA."""
+    module = routing_reference
+    if use_triton(logits) and logits.stride(-1) == 1:
+        from ninfer.kernels import moe_routing_triton as module
+    return module.moe_route(logits, top_k, dtype, first, count, shared)
+
+
+def moe_combine(
+    choices: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    first: int,
+    count: int,
+    shared: torch.Tensor,
+    shared_gate: torch.Tensor,
+) -> torch.Tensor:
+    """A MoE block's output (`moe_combine.moe_combine`): one Triton kernel on CUDA."""
+    module = combine_reference
+    if use_triton(choices, shared) and choices.stride(-1) == 1 and shared.stride(-1) == 1:
+        from ninfer.kernels import moe_combine_triton as module
+    return module.moe_combine(choices, weights, experts, first, count, shared, shared_gate)

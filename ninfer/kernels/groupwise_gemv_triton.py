@@ -42,8 +42,8 @@ SUPPORTED = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
 # Up to this many x rows run the integer kernel; beyond it the tensor-core kernel.
 INT_MAX_ROWS = 1
 # Integer kernel: weight rows per program (fewer where N is small), code words a program reads
-# per step (over its rows and x rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU
-# machine, bench/decode_kernels.md), warps; groups of x per program of the split.
+# per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
+# bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).

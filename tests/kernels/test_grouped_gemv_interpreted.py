@@ -9,6 +9,7 @@ import torch
 from kernel_cases import check_grouped_groupwise_linear, moe_block, relative_error
 from triton_interpreter import load_kernel_module, require_interpreter
 
+from ninfer.kernels import dispatch
 from ninfer.models.layers import moe
 from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts
 from ninfer.quant import get_format
@@ -74,8 +75,8 @@ def test_moe_block_with_the_shared_expert_stacked_runs_the_kernels(
     reference = block(x)
     assert block.stack_shared_expert()
     monkeypatch.setattr(moe, "grouped_groupwise_linear", gemv_triton.grouped_groupwise_linear)
-    monkeypatch.setattr(moe, "routing_reference", load_kernel_module("moe_routing_triton"))
-    monkeypatch.setattr(moe, "combine_reference", load_kernel_module("moe_combine_triton"))
+    monkeypatch.setattr(dispatch, "routing_reference", load_kernel_module("moe_routing_triton"))
+    monkeypatch.setattr(dispatch, "combine_reference", load_kernel_module("moe_combine_triton"))
     out = block(x)
     assert out.dtype == torch.float16
     assert relative_error(out, reference) < 3e-3

@@ -82,8 +82,8 @@ def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int
     monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
     for module in (moe, mlp):
         monkeypatch.setattr(module, "silu_mul", count.kernel("silu_mul", torch.mul))
-    monkeypatch.setattr(moe, "route_tokens", count.kernel("route", moe.route_tokens))
-    monkeypatch.setattr(moe, "combine_outputs", count.kernel("combine", moe.combine_outputs))
+    monkeypatch.setattr(moe, "moe_route", count.kernel("route", moe.moe_route))
+    monkeypatch.setattr(moe, "moe_combine", count.kernel("combine", moe.moe_combine))
     x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
     with count:
         out = block(x)

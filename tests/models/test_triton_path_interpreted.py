@@ -21,7 +21,6 @@ from triton_interpreter import require_interpreter
 require_interpreter()
 
 from ninfer.kernels import dispatch  # noqa: E402 (after the interpreter is switched on)
-from ninfer.models.layers import moe  # noqa: E402
 
 
 def test_q4_model_through_every_triton_kernel_matches_the_reference(monkeypatch, tmp_path):
@@ -41,6 +40,5 @@ def test_q4_model_through_every_triton_kernel_matches_the_reference(monkeypatch,
     expected = run(reference)
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(dispatch, "HAS_FLA", False)  # fla's prefill does not run here
-    monkeypatch.setattr(moe, "use_triton", lambda *tensors: True)
     for got, want in zip(run(model), expected):
         assert rel_err(got, want) < 2e-2

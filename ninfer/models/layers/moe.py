@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels import moe_combine as combine_reference
-from ninfer.kernels import moe_routing as routing_reference
-from ninfer.kernels.dispatch import grouped_groupwise_linear, groupwise_dequant, silu_mul
-from ninfer.kernels.moe_routing import Routes
-from ninfer.kernels.triton_support import use_triton
+from ninfer.kernels.dispatch import (
+    grouped_groupwise_linear,
+    groupwise_dequant,
+    moe_combine,
+    moe_route,
+    silu_mul,
+)
 from ninfer.models.layers.linear import (
     GEMV_FORMATS,
     FusedLinear,
@@ -474,7 +476,7 @@ class SparseMoE(nn.Module):
         tokens = x.shape[0]
         if isinstance(experts, GroupwiseExperts) and tokens <= GATHERED_MAX_TOKENS:
             in_pairs = stacked is not None and tokens <= SHARED_PAIRS_MAX_TOKENS
-            routes = route_tokens(
+            routes = moe_route(
                 logits, self.top_k, x.dtype, experts.first, experts.num_experts, in_pairs
             )
             outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
@@ -485,7 +487,7 @@ class SparseMoE(nn.Module):
                 shared = experts.expert_mlp(stacked, x)
             else:
                 shared = self.shared_expert(x)
-            return combine_outputs(
+            return moe_combine(
                 outputs[:routed].view(tokens, self.top_k, x.shape[1]),
                 routes.weights,
                 routes.experts,
@@ -494,41 +496,10 @@ class SparseMoE(nn.Module):
                 shared,
                 shared_gate,
             )
-        routes = route_tokens(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
+        routes = moe_route(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
         if stacked is not None:
             shared = experts.expert_mlp(stacked, x)
         else:
             shared = self.shared_expert(x)
         routed = experts(x, routes.experts, routes.weights)
         return routed + torch.sigmoid(shared_gate) * shared
-
-
-def route_tokens(
-    logits: torch.Tensor,
-    top_k: int,
-    dtype: torch.dtype,
-    first: int,
-    count: int,
-    shared: bool = False,
-) -> Routes:
-    """`moe_routing.moe_route`: the Triton kernel on CUDA, else the torch reference."""
-    module = routing_reference
-    if use_triton(logits) and logits.stride(-1) == 1:
-        from ninfer.kernels import moe_routing_triton as module
-    return module.moe_route(logits, top_k, dtype, first, count, shared)
-
-
-def combine_outputs(
-    choices: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    first: int,
-    count: int,
-    shared: torch.Tensor,
-    shared_gate: torch.Tensor,
-) -> torch.Tensor:
-    """`moe_combine.moe_combine`: the Triton kernel on CUDA, else the torch reference."""
-    module = combine_reference
-    if use_triton(choices, shared) and choices.stride(-1) == 1 and shared.stride(-1) == 1:
-        from ninfer.kernels import moe_combine_triton as module
-    return module.moe_combine(choices, weights, experts, first, count, shared, shared_gate)
