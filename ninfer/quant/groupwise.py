@@ -17,7 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.quant.formats import PlaneSpec, WeightFormat, align_up, register_format, rows_and_k
+from ninfer.quant.formats import (
+    EncodedTensor,
+    PlaneSpec,
+    WeightFormat,
+    align_up,
+    get_format,
+    register_format,
+    rows_and_k,
+)
 
 ENCODER = "MAXABS_F16_RECIP_RNE_V1"
 SMALLEST_F16_SCALE = 2.0**-24
@@ -127,6 +135,30 @@ class GroupwiseIntFormat(WeightFormat):
         _, k = rows_and_k(tuple(shape))
         values = values[:, :k].reshape(shape)
         return values if dtype in (None, torch.float32) else values.to(dtype)
+
+
+def widen_to_q8(encoded: EncodedTensor, rows_per_block: int = 8192) -> EncodedTensor:
+    """A q5_g64 or q6_g64 tensor as q8_g32 holding the same values: its codes fit in int8 and
+    each 64-group's scale serves both 32-groups of it (exact: `decode` gives the same bits).
+    The planes stay on their device; codes are unpacked `rows_per_block` rows at a time, so the
+    transient int16 codes stay small beside a large head."""
+    source = get_format(encoded.format)
+    if not (isinstance(source, GroupwiseIntFormat) and 4 < source.bits < 8 and source.group == 64):
+        raise ValueError(f"{encoded.format} does not widen to q8_g32_fp16")
+    # q8_g32 pads K to 32, maybe less than the 64-group format did: the columns past it are
+    # padding zeros, dropped so that the planes are q8_g32's own (and stack with native ones)
+    kp = align_up(rows_and_k(tuple(encoded.shape))[1], 32)
+    scales = encoded.planes["scales"]
+    rows = scales.shape[0]
+    codes = torch.empty(rows, kp, dtype=torch.int8, device=scales.device)
+    for start in range(0, rows, rows_per_block):
+        block = {
+            name: plane[start : start + rows_per_block] for name, plane in encoded.planes.items()
+        }
+        codes[start : start + rows_per_block] = source.unpack_codes(block)[:, :kp].to(torch.int8)
+    scales = scales.repeat_interleave(2, dim=-1)[:, : kp // 32].contiguous()
+    planes = {"codes": codes, "scales": scales}
+    return EncodedTensor("q8_g32_fp16", encoded.layout, encoded.shape, planes)
 
 
 Q4_G64 = register_format(GroupwiseIntFormat("q4_g64_fp16", 4, 64))

@@ -141,6 +141,8 @@ def test_quantized_model_keeps_linears_encoded_and_graphs_agree(tiny_artifact):
     layers = [m for m in core.runner.model.modules() if isinstance(m, GroupwiseLinear)]
     assert layers and {m.format for m in layers} <= GEMV_FORMATS
     assert all(m.codes.is_cuda for m in layers)
+    head = core.runner.model.lm_head  # stored q6_g64: kept encoded, widened to q8_g32
+    assert isinstance(head, GroupwiseLinear) and head.format == "q8_g32_fp16"
     requests = mixed_requests(9, 8, vocab=512)
     fields = dict(max_context=512, max_concurrency=4, prefill_chunk=128)
     assert tokens(path, requests, cuda_graph=True, **fields) == tokens(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ninfer.models.layers import linear
 from ninfer.models.layers.linear import GEMV_MAX_ROWS, GroupwiseLinear, quantize_linears
 from ninfer.models.qwen3_5 import runs_quantized
 from ninfer.models.weights import StateDictSource
@@ -34,7 +35,9 @@ class Block(nn.Module):
         self.gate = nn.Linear(64, 4, bias=False)
 
 
-def test_only_linears_stored_in_a_gemv_format_are_kept_encoded():
+def test_only_linears_stored_in_a_gemv_format_or_a_widened_one_are_kept_encoded():
+    """q4 stays q4; q6 (the groupwise-int profile's head) is kept as q8 with the same values;
+    a bf16 linear stays dense."""
     with torch.device("meta"):
         model = nn.Module()
         model.block = Block()
@@ -46,10 +49,32 @@ def test_only_linears_stored_in_a_gemv_format_are_kept_encoded():
         },
     )
     replaced = quantize_linears(model, source, torch.device("cpu"), lambda name: "x/" + name)
-    assert replaced == ["block.up"]
-    assert isinstance(model.block.up, GroupwiseLinear)
+    assert replaced == ["block.up", "block.down"]
+    assert isinstance(model.block.up, GroupwiseLinear) and model.block.up.format == "q4_g64_fp16"
     assert model.block.up.codes.device.type == "cpu"
-    assert isinstance(model.block.down, nn.Linear) and isinstance(model.block.gate, nn.Linear)
+    down = model.block.down
+    assert isinstance(down, GroupwiseLinear) and down.format == "q8_g32_fp16"
+    stored = source.encoded("x/block.down.weight").decode(torch.float32)
+    assert torch.equal(down.encoded.decode(torch.float32), stored)
+    assert isinstance(model.block.gate, nn.Linear)
+
+
+def test_above_the_gemv_rows_the_weight_is_dequantized_a_block_of_rows_at_a_time(monkeypatch):
+    """A large head need not be dense all at once: with blocks of 16 rows, a 40-row weight
+    is dequantized as 16 + 16 + 8 rows and the product is the whole one's."""
+    encoded = get_format("q8_g32_fp16").encode(torch.randn(40, 64) * 0.1)
+    x = torch.randn(GEMV_MAX_ROWS + 3, 64)
+    parts = []
+
+    def dequant(weight, dtype):
+        parts.append(weight.shape[0])
+        return weight.decode(dtype)
+
+    monkeypatch.setattr(linear, "groupwise_dequant", dequant)
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_BYTES", 16 * 64 * x.element_size())
+    out = GroupwiseLinear(encoded)(x)
+    assert parts == [16, 16, 8]
+    torch.testing.assert_close(out, F.linear(x, encoded.decode(torch.float32)))
 
 
 def test_a_source_without_encoded_tensors_changes_nothing():

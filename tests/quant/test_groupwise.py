@@ -1,10 +1,12 @@
 """Group-wise int formats: exact codes and scales of MAXABS_F16_RECIP_RNE_V1 on hand-made
-groups, bit packing of every plane, and random round trips within the format's error bound."""
+groups, bit packing of every plane, random round trips within the format's error bound, and
+q5/q6 widened to q8 without a change of value."""
 
 import pytest
 import torch
 
 from ninfer.quant import get_format
+from ninfer.quant.groupwise import widen_to_q8
 
 GROUPWISE = ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
 
@@ -137,3 +139,26 @@ def test_slab_encoding_equals_whole_tensor_encoding():
     whole, slabs = fmt.encode(x), fmt.encode(x, rows_per_slab=3)
     for key in whole.planes:
         assert torch.equal(whole.planes[key], slabs.planes[key])
+
+
+@pytest.mark.parametrize("name", ["q5_g64_fp16", "q6_g64_fp16"])
+@pytest.mark.parametrize("k", [64, 96, 100])
+def test_widening_to_q8_keeps_every_value(name, k):
+    """q5/q6 codes fit in int8 and a 64-group's scale serves both of its 32-groups: the q8
+    tensor decodes to the same bits, K padding included; rows go a block at a time."""
+    torch.manual_seed(k)
+    encoded = get_format(name).encode(torch.randn(21, k) * 0.3)
+    wide = widen_to_q8(encoded, rows_per_block=8)
+    assert wide.format == "q8_g32_fp16" and wide.shape == encoded.shape
+    assert torch.equal(wide.decode(torch.float32), encoded.decode(torch.float32))
+    assert wide.planes["codes"].dtype == torch.int8
+    native = get_format("q8_g32_fp16").encode(torch.randn(21, k))  # stacks with it
+    assert {n: p.shape[1:] for n, p in wide.planes.items()} == {
+        n: p.shape[1:] for n, p in native.planes.items()
+    }
+
+
+@pytest.mark.parametrize("name", ["q4_g64_fp16", "q8_g32_fp16"])
+def test_only_q5_and_q6_widen(name):
+    with pytest.raises(ValueError, match="does not widen"):
+        widen_to_q8(get_format(name).encode(torch.randn(4, 64)))

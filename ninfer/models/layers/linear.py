@@ -5,8 +5,11 @@ the weight to the activation dtype (the Triton dequantization kernel, at about t
 into one transient buffer and run a dense matmul, which is compute-bound anyway.
 
 `quantize_linears` swaps the `nn.Linear`s of a model built on the meta device for these where
-the weight source stores a supported format. It is used on CUDA in half precision only: the
-CPU path keeps every weight dequantized at load, so it stays the exact reference.
+the weight source stores a supported format, or q5_g64/q6_g64 (the head of the groupwise-int
+profile), which are widened to q8_g32 holding the same values: read at 8.5 bits per weight
+instead of as a 16-bit dequantized matrix (the 27B head: 1.35 GB a step instead of 2.54). It
+is used on CUDA in half precision only: the CPU path keeps every weight dequantized at load,
+so it stays the exact reference.
 
 `fuse_linears` stacks the weight rows of linears that read one input into one `FusedLinear`
 after loading, so a decode step launches one GEMV where it launched several (row_groups_v1
@@ -24,17 +27,36 @@ from torch import nn
 from ninfer.errors import ArtifactError
 from ninfer.kernels.dispatch import groupwise_dequant, groupwise_linear
 from ninfer.quant import EncodedTensor
+from ninfer.quant.groupwise import widen_to_q8
 
 # Rows up to this many go through the GEMV; beyond it a dequantized bf16 matmul is faster.
 GEMV_MAX_ROWS = 16
+# Above GEMV_MAX_ROWS the weight is dequantized this many bytes of it at a time (so a head of
+# 248k rows does not need its whole dense matrix at once: 2.5 GB at the 27B shape).
+DEQUANT_BLOCK_BYTES = 512 << 20
 
 
 def encoded_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """x [M, K] @ W.T for an encoded [N, K] weight: the GEMV for up to `GEMV_MAX_ROWS` rows,
-    else the weight dequantized to x's dtype and a dense matmul."""
+    else the weight dequantized to x's dtype, in blocks of rows of at most
+    `DEQUANT_BLOCK_BYTES`, and a dense matmul per block."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return groupwise_linear(x.contiguous(), weight)
-    return F.linear(x, groupwise_dequant(weight, x.dtype))
+    rows, k = weight.shape
+    block = max(1, DEQUANT_BLOCK_BYTES // (k * x.element_size()))
+    if block >= rows:
+        return F.linear(x, groupwise_dequant(weight, x.dtype))
+    out = x.new_empty(x.shape[0], rows)
+    for start in range(0, rows, block):
+        part = _row_block(weight, start, min(start + block, rows))
+        out[:, start : start + part.shape[0]] = F.linear(x, groupwise_dequant(part, x.dtype))
+    return out
+
+
+def _row_block(weight: EncodedTensor, start: int, end: int) -> EncodedTensor:
+    """Rows [start, end) of an encoded [N, K] weight (`row_groups_v1` keeps every row apart)."""
+    planes = {name: plane[start:end] for name, plane in weight.planes.items()}
+    return EncodedTensor(weight.format, weight.layout, (end - start, weight.shape[1]), planes)
 
 
 class GroupwiseLinear(nn.Module):
@@ -72,6 +94,8 @@ class GroupwiseLinear(nn.Module):
 # The formats `groupwise_gemv_triton.SUPPORTED` runs (a GPU test keeps the two equal); named
 # here so that deciding what to keep encoded never imports Triton.
 GEMV_FORMATS = frozenset({"q8_g32_fp16", "q4_g64_fp16"})
+# Kept encoded too, widened to q8_g32 (`quant.groupwise.widen_to_q8`).
+WIDENED_FORMATS = frozenset({"q5_g64_fp16", "q6_g64_fp16"})
 
 
 def quantize_linears(
@@ -93,7 +117,7 @@ def quantize_linears(
             encoded = encoded_of(to_logical(f"{name}.weight"))
         except (KeyError, ArtifactError):
             continue  # not stored as one object (parts), or not in the source
-        if encoded.format not in GEMV_FORMATS:
+        if encoded.format not in GEMV_FORMATS | WIDENED_FORMATS:
             continue
         if part_of is not None:
             encoded = part_of(f"{name}.weight", encoded)
@@ -102,9 +126,10 @@ def quantize_linears(
         if tuple(encoded.shape) != tuple(module.weight.shape):
             continue
         planes = {key: plane.to(device) for key, plane in encoded.planes.items()}
-        layer = GroupwiseLinear(
-            EncodedTensor(encoded.format, encoded.layout, encoded.shape, planes)
-        )
+        on_device = EncodedTensor(encoded.format, encoded.layout, encoded.shape, planes)
+        if encoded.format in WIDENED_FORMATS:
+            on_device = widen_to_q8(on_device)
+        layer = GroupwiseLinear(on_device)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
         replaced.append(name)
@@ -134,9 +159,7 @@ class FusedLinear(nn.Module):
         outputs, start = [], 0
         for rows in self.split_sizes:
             if encoded:
-                whole = self.linear.encoded
-                planes = {name: p[start : start + rows] for name, p in whole.planes.items()}
-                part = EncodedTensor(whole.format, whole.layout, (rows, whole.shape[1]), planes)
+                part = _row_block(self.linear.encoded, start, start + rows)
                 outputs.append(encoded_linear(x, part))
             else:
                 outputs.append(F.linear(x, self.linear.weight[start : start + rows]))
