@@ -64,9 +64,9 @@ def random_model(
     and where the model runs quantized linears (CUDA, half precision), every matrix stored in
     a GEMV format, the stacked [E, N, K] MoE experts included, is encoded on the device and
     kept encoded, as loading an artifact would (a stacked tensor is encoded as its E * N rows,
-    the planes an artifact stores for it). With a `shard`, this rank's slice of the same
+    the planes an artifact stores for it; formats the loader widens, q5/q6, are encoded too). With a `shard`, this rank's slice of the same
     weights (every rank draws all of them from one seed)."""
-    from ninfer.models.layers.linear import GEMV_FORMATS
+    from ninfer.models.layers.linear import GEMV_FORMATS, WIDENED_FORMATS
     from ninfer.models.qwen3_5 import runs_quantized
     from ninfer.models.registry import load_model
     from ninfer.models.weights import StateDictSource
@@ -81,7 +81,7 @@ def random_model(
             if tensors[name].dim() < 2:
                 continue
             chosen = format_of(name, tuple(tensors[name].shape))
-            if chosen in GEMV_FORMATS:
+            if chosen in GEMV_FORMATS | WIDENED_FORMATS:
                 encoded[name] = get_format(chosen).encode(tensors.pop(name), rows_per_slab=4096)
     source = StateDictSource(tensors, encoded)
     return load_model(source, config, device=device, dtype=dtype, shard=shard)

@@ -1,6 +1,7 @@
 """The bench's random models keep what an artifact would keep encoded: with a weight profile
 and where linears run quantized, the stacked MoE experts are encoded too (as their E * N rows,
-the planes an artifact stores) and load as `GroupwiseExperts`."""
+the planes an artifact stores) and load as `GroupwiseExperts`, and a head stored q6 loads
+widened to q8, as from an artifact."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def test_random_moe_model_keeps_its_experts_encoded(monkeypatch, weights, expect
     assert all(m.shared_local == 8 for m in experts)
     assert any(isinstance(m, GroupwiseLinear) for m in model.modules())
     assert not any(isinstance(m, Experts) for m in model.modules())
-    assert executed_formats(model) == f"float32+{expected}"
+    # the q4 profile stores the head q6, which loads widened to q8 and kept encoded
+    head = model.lm_head
+    assert isinstance(head, GroupwiseLinear) and head.format == "q8_g32_fp16"
+    assert executed_formats(model) == "+".join(sorted({"float32", expected, "q8_g32_fp16"}))
 
 
 def test_executed_formats_names_encoded_experts_without_encoded_linears(monkeypatch):
