@@ -19,6 +19,9 @@ from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
+# Warps per token's program.
+ROUTE_WARPS = 4
+
 
 @triton.jit
 def _moe_route_kernel(
@@ -104,7 +107,7 @@ def moe_route(
             TOP_K=top_k,
             BLOCK_E=next_power_of_2(num_experts),
             SHARED=shared,
-            num_warps=4,
+            num_warps=ROUTE_WARPS,
             **pdl_options(logits.device),
         )
     return Routes(weights, experts, pair_tokens, pair_experts, pairs)

@@ -15,6 +15,10 @@ from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
+# Warps per program: one per NORM_ELEMENTS_PER_WARP values of the (power-of-two padded) row,
+# at most NORM_MAX_WARPS.
+NORM_ELEMENTS_PER_WARP, NORM_MAX_WARPS = 256, 16
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -137,7 +141,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             **split_constants,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=min(NORM_MAX_WARPS, max(1, block // NORM_ELEMENTS_PER_WARP)),
             **pdl_options(x_rows.device),
         )
     y = out.view(x.shape)
