@@ -116,6 +116,58 @@ def check_gdn_recurrent(
     assert relative_error(states, ref_states) < 1e-4
 
 
+def check_gdn_recurrent_from_x(
+    recurrent_module,
+    gates_module,
+    query_lens: list[int],
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """The delta rule with the gates computed inside (`recurrent_gated_delta_rule_from_x`)
+    against the two launches it replaces, `gates_module.gdn_gates_from_x` then
+    `recurrent_module.recurrent_gated_delta_rule`: outputs and states equal bit for bit (one
+    dot-product helper and one gate arithmetic, so one summation order; a failure says how far
+    apart they are). Against the torch reference (its own b|a
+    product, whose rounding may differ by a step, then the gates and the rule) outputs and
+    states within `tol`. x's rows strided; slots in descending order past two spare ones,
+    which must stay exactly as they were."""
+    q, k, v, _, _, states, _, query_start = gdn_inputs(
+        query_lens, num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0
+    )
+    slots = torch.arange(len(query_lens) + 1, 1, -1, dtype=torch.int32, device=device)
+    x = torch.randn(q.shape[0], hidden + 8, device=device).to(dtype)[:, :hidden]
+    ba_weight = (torch.randn(2 * num_value_heads, hidden, device=device) * 2 * hidden**-0.5).to(
+        dtype
+    )
+    A_log = torch.randn(num_value_heads, device=device) * 0.5
+    dt_bias = torch.randn(num_value_heads, device=device) * 2
+    spare, two_launch_states, ref_states = states[:2].clone(), states.clone(), states.clone()
+    out = recurrent_module.recurrent_gated_delta_rule_from_x(
+        q, k, v, x, ba_weight, A_log, dt_bias, states, slots, query_start
+    )
+    assert out.dtype == v.dtype and out.shape == v.shape
+    g, beta = gates_module.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
+    two_launch = recurrent_module.recurrent_gated_delta_rule(
+        q, k, v, g, beta, two_launch_states, slots, query_start
+    )
+    assert torch.equal(out, two_launch), f"outputs {relative_error(out, two_launch):.1e} apart"
+    assert torch.equal(states, two_launch_states), (
+        f"states {relative_error(states, two_launch_states):.1e} apart"
+    )
+    ref = gdn_reference.recurrent_gated_delta_rule_from_x(
+        q, k, v, x, ba_weight, A_log, dt_bias, ref_states, slots, query_start
+    )
+    assert relative_error(out, ref) < tol
+    assert relative_error(states, ref_states) < tol
+    assert torch.equal(states[:2], spare)
+
+
 def check_causal_conv1d(
     module,
     query_lens: list[int],

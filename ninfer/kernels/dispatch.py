@@ -148,6 +148,38 @@ def recurrent_gated_delta_rule(
     return module.recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
 
 
+def recurrent_gated_delta_rule_from_x(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    """The decode delta rule with the gates from the layer input x [T, hidden] and the stacked
+    b|a weight [2Hv, hidden]: on CUDA one kernel computes b|a product, gates and recurrence
+    (for decode-sized T: the caller decides), else `gdn_gates_from_x` and the rule."""
+    if (
+        use_triton(q, x, ba_weight, A_log, dt_bias, states)
+        and x.dtype in _DENSE
+        and ba_weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and ba_weight.stride(-1) == 1
+    ):
+        from ninfer.kernels import gdn_recurrent_triton
+
+        return gdn_recurrent_triton.recurrent_gated_delta_rule_from_x(
+            q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
+        )
+    return gdn_reference.recurrent_gated_delta_rule_from_x(
+        q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
+    )
+
+
 def gdn_gates(
     b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

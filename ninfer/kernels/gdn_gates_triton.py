@@ -53,6 +53,31 @@ def _log_decay(a, A_log, dt_bias):
 
 
 @triton.jit
+def _x_dot_rows(
+    x_row,
+    w_rows,
+    row_mask,
+    HIDDEN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The dot products of one row of x (x_row points at it) with BLOCK_ROWS weight rows
+    (w_rows: [BLOCK_ROWS, 1] pointers to their starts): fp32 sums over hidden, rounded to x's
+    dtype as the linear's output is, so the gates see the reference's b and a up to the fp32
+    summation order. Every kernel taking b and a from x sums here, so all sum in one order."""
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_K], dtype=tl.float32)
+    for start in tl.static_range(0, HIDDEN, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_mask = cols < HIDDEN
+        x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += w * x[None, :]
+    return tl.sum(acc, axis=1).to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _gdn_gates_kernel(
     b_ptr,
     a_ptr,
@@ -136,20 +161,8 @@ def _gdn_gates_from_x_kernel(
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < 2 * H
-    x_row = x_ptr + token * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_K], dtype=tl.float32)
-    for start in tl.static_range(0, HIDDEN, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        col_mask = cols < HIDDEN
-        x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = tl.load(
-            w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
-        ).to(tl.float32)
-        acc += w * x[None, :]
-    # Rounded to x's dtype as the linear's output is, so the gates see the reference's b and a
-    # up to the fp32 summation order.
-    ba = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    ba = _x_dot_rows(x_ptr + token * stride_x, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
     is_b = rows < H
     is_a = row_mask & ~is_b
     heads = tl.where(is_b, rows, rows - H)

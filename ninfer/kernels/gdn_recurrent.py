@@ -5,9 +5,13 @@ Per value head, with an fp32 state S [dk, dv] carried in a state slot:
     S <- exp(g_t) * S;  u = v_t - S^T k_t;  S <- S + k_t (beta_t u)^T;  o_t = S^T q_t
 q and k are L2-normalised inside (eps 1e-6 under the sqrt) and q is scaled by dk^-0.5.
 Key heads are shared by blocks of Hv / Hk value heads (value head j reads key head j // r).
+`recurrent_gated_delta_rule_from_x` takes g and beta from the layer input and the b|a weight
+(`gdn_gates.gdn_gates_from_x`), the form whose Triton kernel computes the gates itself.
 """
 
 import torch
+
+from ninfer.kernels import gdn_gates
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -52,3 +56,21 @@ def recurrent_gated_delta_rule(
             out[t] = torch.einsum("hk,hkv->hv", q[t], state)
         states[slot] = state
     return out.to(out_dtype)
+
+
+def recurrent_gated_delta_rule_from_x(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    """`recurrent_gated_delta_rule` with (g, beta) = `gdn_gates.gdn_gates_from_x(x, ba_weight,
+    A_log, dt_bias)`: x [T, hidden], ba_weight [2Hv, hidden] (b rows over a rows)."""
+    g, beta = gdn_gates.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)

@@ -5,6 +5,14 @@ One program per (sequence, value head, block of dv columns) holds its [dk, BLOCK
 the state in registers across that sequence's tokens, so a multi-token step (speculative
 verification) reads and writes the state once. q and k are L2-normalised in the kernel.
 Reference: `gdn_recurrent.recurrent_gated_delta_rule` (same signature).
+
+`recurrent_gated_delta_rule_from_x` takes the layer input x and the stacked b|a weight in place
+of g and beta: each program computes b and a of its head and tokens and the gates from them
+(the arithmetic and summation order of `gdn_gates_triton.gdn_gates_from_x`, whose helpers it
+calls), so a decode step launches no gates kernel before the conv. Each launch costs a few
+microseconds of a latency-bound step; the dot products are repeated per column block, but
+two weight rows per head are little to read. Reference:
+`gdn_recurrent.recurrent_gated_delta_rule_from_x` (same signature).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
+from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
@@ -24,6 +34,10 @@ def _recurrent_kernel(
     v_ptr,
     g_ptr,
     beta_ptr,
+    x_ptr,
+    ba_weight_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
     out_ptr,
     states_ptr,
     state_slots_ptr,
@@ -36,6 +50,8 @@ def _recurrent_kernel(
     stride_vh,
     stride_gt,
     stride_bt,
+    stride_xt,
+    stride_w,
     stride_ot,
     stride_oh,
     stride_state_slot,
@@ -43,9 +59,13 @@ def _recurrent_kernel(
     q_scale,
     key_dim,
     value_dim,
+    num_value_heads,
     RATIO: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GATES_FROM_X: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -69,6 +89,14 @@ def _recurrent_kernel(
         + cols[None, :]
     )
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
+    if GATES_FROM_X:
+        # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
+        head_row = value_head + tl.arange(0, 1)
+        head_mask = head_row < num_value_heads
+        b_row = ba_weight_ptr + head_row.to(tl.int64)[:, None] * stride_w
+        a_row = b_row + num_value_heads * stride_w
+        A_log = tl.load(A_log_ptr + value_head).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + value_head).to(tl.float32)
     for t in range(begin, end):
         q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + rows, mask=row_mask, other=0.0)
         k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + rows, mask=row_mask, other=0.0)
@@ -77,8 +105,16 @@ def _recurrent_kernel(
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         v = tl.load(v_ptr + t * stride_vt + value_head * stride_vh + cols, mask=col_mask, other=0.0)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gt + value_head).to(tl.float32))
-        beta = tl.load(beta_ptr + t * stride_bt + value_head).to(tl.float32)
+        if GATES_FROM_X:
+            x_row = x_ptr + t * stride_xt
+            b = tl.sum(_x_dot_rows(x_row, b_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN), axis=0)
+            a = tl.sum(_x_dot_rows(x_row, a_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN), axis=0)
+            decay = tl.exp(_log_decay(a, A_log, dt_bias))
+            # beta rounded to x's dtype, as the gates kernel stores it
+            beta = tl.sigmoid(b).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            decay = tl.exp(tl.load(g_ptr + t * stride_gt + value_head).to(tl.float32))
+            beta = tl.load(beta_ptr + t * stride_bt + value_head).to(tl.float32)
         state = state * decay
         predicted = tl.sum(state * k[:, None], axis=0)
         delta = (v.to(tl.float32) - predicted) * beta
@@ -105,15 +141,73 @@ def recurrent_gated_delta_rule(
     """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay), beta: [T, Hv];
     states: fp32 [num_slots, Hv, dk, dv] (contiguous per slot), read and updated in place.
     Returns o: [T, Hv, dv] in v's dtype."""
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta need unit stride along heads")
+    return _launch(q, k, v, states, state_slots, query_start, g=g, beta=beta)
+
+
+def recurrent_gated_delta_rule_from_x(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> torch.Tensor:
+    """`recurrent_gated_delta_rule` with g and beta those `gdn_gates_triton.gdn_gates_from_x`
+    computes from x [T, hidden] and ba_weight [2Hv, hidden] (b rows over a rows), of x's dtype
+    with unit stride along hidden. Meant for decode-sized T, as that kernel is."""
+    hidden = x.shape[1]
+    if tuple(ba_weight.shape) != (2 * v.shape[1], hidden):
+        raise ValueError(
+            f"b|a weight {tuple(ba_weight.shape)} does not match {v.shape[1]} value heads "
+            f"and hidden size {hidden}"
+        )
+    if x.stride(1) != 1 or ba_weight.stride(1) != 1:
+        raise ValueError("gdn gates from x need unit stride along hidden")
+    if ba_weight.dtype != x.dtype:
+        raise ValueError(f"b|a weight in {ba_weight.dtype}, input in {x.dtype}")
+    return _launch(
+        q,
+        k,
+        v,
+        states,
+        state_slots,
+        query_start,
+        x=x,
+        ba_weight=ba_weight,
+        A_log=A_log,
+        dt_bias=dt_bias,
+    )
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+    ba_weight: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel with the gates given (g, beta) or computed from x (x, ba_weight, A_log,
+    dt_bias); the other set None."""
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     key_dim = q.shape[2]
     if states.dtype != torch.float32 or states.stride(3) != 1 or states.stride(2) != value_dim:
         raise ValueError("GDN states must be fp32 with contiguous [dk, dv] per head")
-    for x in (q, k, v):
-        if x.stride(2) != 1:
+    for operand in (q, k, v):
+        if operand.stride(2) != 1:
             raise ValueError("q, k, v need unit stride along the head dimension")
-    if g.stride(1) != 1 or beta.stride(1) != 1:
-        raise ValueError("g and beta need unit stride along heads")
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_seqs = state_slots.shape[0]
     if num_seqs == 0 or v.shape[0] == 0:
@@ -122,6 +216,7 @@ def recurrent_gated_delta_rule(
     block_v = min(next_power_of_2(value_dim), 64)
     while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(v.device):
         block_v //= 2
+    from_x = x is not None
     grid = (num_seqs, num_value_heads, triton.cdiv(value_dim, block_v))
     _recurrent_kernel[grid](
         q,
@@ -129,6 +224,10 @@ def recurrent_gated_delta_rule(
         v,
         g,
         beta,
+        x,
+        ba_weight,
+        A_log,
+        dt_bias,
         out,
         states,
         state_slots,
@@ -139,8 +238,10 @@ def recurrent_gated_delta_rule(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        g.stride(0),
-        beta.stride(0),
+        0 if from_x else g.stride(0),
+        0 if from_x else beta.stride(0),
+        x.stride(0) if from_x else 0,
+        ba_weight.stride(0) if from_x else 0,
         out.stride(0),
         out.stride(1),
         states.stride(0),
@@ -148,9 +249,13 @@ def recurrent_gated_delta_rule(
         key_dim**-0.5,
         key_dim,
         value_dim,
+        num_value_heads,
         RATIO=num_value_heads // q.shape[1],
         BLOCK_K=next_power_of_2(key_dim),
         BLOCK_V=block_v,
+        GATES_FROM_X=from_x,
+        HIDDEN=x.shape[1] if from_x else 0,
+        BLOCK_HIDDEN=HIDDEN_BLOCK,
         num_warps=4,
         **pdl_options(q.device),
     )

@@ -6,6 +6,8 @@ against the unfused linears, and a quantized model fused and unfused."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from kernel_cases import (
@@ -20,6 +22,8 @@ import ninfer
 from ninfer.artifact.artifact import Artifact
 from ninfer.engine.request import SamplingParams
 from ninfer.models import qwen3_5
+from ninfer.models.layers import gated_deltanet
+from ninfer.models.layers.gated_deltanet import GatedDeltaNet
 from ninfer.models.layers.linear import GEMV_MAX_ROWS, GroupwiseLinear, fuse_linears
 from ninfer.models.registry import load_model
 from ninfer.quant import get_format
@@ -59,6 +63,49 @@ def test_gdn_gates_from_x_at_the_model_shapes(heads, hidden, tokens, dtype, beta
 
     torch.manual_seed(tokens + hidden)
     check_gdn_gates_from_x(gdn_gates_triton, tokens, heads, hidden, dtype, "cuda", 2e-5, beta_ulps)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatch, tokens):
+    """A GDN layer's decode step (stacked dense b|a, bf16) with product, gates and rule in one
+    kernel against the same step through the b|a product, the gates kernel and the rule:
+    outputs and states within bf16 rounding (cuBLAS's b|a product may round differently)."""
+    torch.manual_seed(tokens)
+    hidden, key_heads, value_heads, head_dim = 512, 2, 6, 128
+    layer = GatedDeltaNet(hidden, key_heads, value_heads, head_dim, head_dim, 4, 1e-6, 0)
+    for param in layer.parameters():
+        nn.init.normal_(param, std=hidden**-0.5)
+    assert layer.fuse_projections() == ["in_proj_qkvz", "in_proj_ba"]
+    layer = layer.to(device="cuda", dtype=BF16)
+    num_slots = tokens + 2
+    states = torch.randn(num_slots, value_heads, head_dim, head_dim, device="cuda") * 0.5
+    windows = torch.randn(num_slots, layer.conv_dim, 3, device="cuda").to(BF16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    slots = torch.arange(num_slots - 1, 1, -1, dtype=torch.int32, device="cuda")
+
+    def step():
+        ctx = SimpleNamespace(
+            is_decode=True,
+            cache=SimpleNamespace(conv_window=[windows.clone()], gdn_state=[states.clone()]),
+            state_slots=slots,
+            query_start=torch.arange(tokens + 1, dtype=torch.int32, device="cuda"),
+        )
+        return layer(x, ctx), ctx.cache.gdn_state[0]
+
+    taken = []
+    rule_from_x = gated_deltanet.recurrent_gated_delta_rule_from_x
+    monkeypatch.setattr(
+        gated_deltanet,
+        "recurrent_gated_delta_rule_from_x",
+        lambda *args: taken.append(1) or rule_from_x(*args),
+    )
+    out, new_states = step()
+    assert taken == [1]
+    monkeypatch.setattr(gated_deltanet, "GATES_FROM_X_MAX_TOKENS", 0)
+    ref, ref_states = step()
+    assert taken == [1]
+    assert relative_error(out, ref) < 1e-2
+    assert relative_error(new_states, ref_states) < 1e-2
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])

@@ -11,6 +11,7 @@ from kernel_cases import (
     check_causal_conv1d,
     check_gated_rms_norm,
     check_gdn_recurrent,
+    check_gdn_recurrent_from_x,
     check_groupwise_dequant,
     check_groupwise_linear,
     check_paged_attention,
@@ -66,6 +67,32 @@ def test_gdn_recurrent_fp32_is_tight():
     from ninfer.kernels import gdn_recurrent_triton
 
     check_gdn_recurrent(gdn_recurrent_triton, [1, 3, 1], 2, 6, 128, 64, torch.float32, "cuda", 1e-5)
+
+
+@pytest.mark.parametrize("query_lens", [[1], [1] * 8, [1] * 16, [2, 1, 3]])
+@pytest.mark.parametrize(
+    ("num_value_heads", "hidden"), [(48, 5120), (32, 2048)], ids=["27b", "35b-a3b"]
+)
+def test_gdn_recurrent_with_the_gates_inside(query_lens, num_value_heads, hidden):
+    """bf16 at the model shapes (16 key heads, dk = dv = 128): bit for bit the gates-from-x
+    kernel followed by the delta rule, both computing b and a in `_x_dot_rows` with 4 warps
+    over the same [1, 1024] tiles, so in one summation order; within the delta rule's bf16
+    tolerance of the torch reference."""
+    from ninfer.kernels import gdn_gates_triton, gdn_recurrent_triton
+
+    check_gdn_recurrent_from_x(
+        gdn_recurrent_triton,
+        gdn_gates_triton,
+        query_lens,
+        16,
+        num_value_heads,
+        128,
+        128,
+        hidden,
+        BF16,
+        "cuda",
+        1e-2,
+    )
 
 
 @pytest.mark.parametrize("query_lens", [[1], [1] * 8, [1, 100, 700], [3, 1, 2]])

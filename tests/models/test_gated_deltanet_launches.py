@@ -1,9 +1,11 @@
 """What a GDN layer launches per forward, on the CUDA path traced on the meta device (non-view
-aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): decode-sized
-batches compute the stacked dense b|a product inside the gates kernel, prefill-sized ones keep
-the product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and
-a reduce at batch 1 (one aten mm, two launches), so the gates take one launch where they took
-three."""
+aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): a decode
+step computes the stacked dense b|a product and the gates inside the recurrent kernel, other
+batches up to GATES_FROM_X_MAX_TOKENS tokens inside the gates kernel, larger ones keep the
+product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and a
+reduce at batch 1 (one aten mm, two launches), so at decode product, gates and delta rule take
+one launch where the unfused layer took four and the gates kernel with the product inside
+two."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ninfer.models.layers.gated_deltanet import GATES_FROM_X_MAX_TOKENS, GatedDe
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV = 64, 2, 4, 16, 4
 
 
-def traced_launches(monkeypatch, tokens: int) -> dict[str, int]:
+def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]:
     layer = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, CONV, 1e-6, 0)
     for param in layer.parameters():
         nn.init.normal_(param)
@@ -32,6 +34,10 @@ def traced_launches(monkeypatch, tokens: int) -> dict[str, int]:
     def gates_from_x(x, w_ba, A_log, dt_bias):
         assert w_ba.shape == (2 * VALUE_HEADS, HIDDEN)
         return gates_reference.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
+
+    def rule_from_x(q, k, v, x, w_ba, *args):
+        assert x.shape == (tokens, HIDDEN) and w_ba.shape == (2 * VALUE_HEADS, HIDDEN)
+        return torch.empty_like(v)
 
     def like_first(shaped, *args):
         return torch.empty_like(shaped)
@@ -44,6 +50,7 @@ def traced_launches(monkeypatch, tokens: int) -> dict[str, int]:
         "gdn_gates": gates_reference.gdn_gates,
         "causal_conv1d": like_first,
         "recurrent_gated_delta_rule": rule_output,
+        "recurrent_gated_delta_rule_from_x": rule_from_x,
         "chunk_gated_delta_rule": rule_output,
     }
     for name, compute in kernels.items():
@@ -51,7 +58,7 @@ def traced_launches(monkeypatch, tokens: int) -> dict[str, int]:
     monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("gated_rms_norm", like_first))
     meta = {"device": "meta"}
     ctx = SimpleNamespace(
-        is_decode=tokens <= GATES_FROM_X_MAX_TOKENS,
+        is_decode=is_decode,
         cache=SimpleNamespace(conv_window=[torch.empty(0, **meta)], gdn_state=[None]),
         state_slots=torch.empty(tokens, dtype=torch.int32, **meta),
         query_start=torch.empty(tokens + 1, dtype=torch.int32, **meta),
@@ -64,25 +71,36 @@ def traced_launches(monkeypatch, tokens: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("tokens", [1, 8, GATES_FROM_X_MAX_TOKENS])
-def test_decode_step_computes_b_and_a_inside_the_gates_kernel(monkeypatch, tokens):
-    """Two products (q|k|v|z in, out), the gates with b|a, conv, delta rule, norm: six."""
-    assert traced_launches(monkeypatch, tokens) == {
-        "mm": 2, "gdn_gates_from_x": 1, "causal_conv1d": 1, "recurrent_gated_delta_rule": 1,
+def test_decode_step_computes_b_a_and_the_gates_inside_the_recurrent_kernel(monkeypatch, tokens):
+    """Two products (q|k|v|z in, out), conv, delta rule with b|a and gates, norm: five."""
+    assert traced_launches(monkeypatch, tokens, is_decode=True) == {
+        "mm": 2, "causal_conv1d": 1, "recurrent_gated_delta_rule_from_x": 1, "gated_rms_norm": 1,
+    }  # fmt: skip
+
+
+def test_small_prefill_computes_b_and_a_inside_the_gates_kernel(monkeypatch):
+    """A few prompt tokens (or a verification step) take the chunked rule, so the gates come
+    from the gates kernel with the b|a product inside."""
+    assert traced_launches(monkeypatch, GATES_FROM_X_MAX_TOKENS, is_decode=False) == {
+        "mm": 2, "gdn_gates_from_x": 1, "causal_conv1d": 1, "chunk_gated_delta_rule": 1,
         "gated_rms_norm": 1,
     }  # fmt: skip
 
 
 def test_prefill_keeps_the_b_and_a_product_and_the_gates_kernel(monkeypatch):
-    assert traced_launches(monkeypatch, GATES_FROM_X_MAX_TOKENS + 1) == {
+    assert traced_launches(monkeypatch, GATES_FROM_X_MAX_TOKENS + 1, is_decode=False) == {
         "mm": 3, "gdn_gates": 1, "causal_conv1d": 1, "chunk_gated_delta_rule": 1,
         "gated_rms_norm": 1,
     }  # fmt: skip
 
 
-def test_decode_step_without_the_fused_gates_took_the_product_and_the_gates(monkeypatch):
-    """The layer as it was before: one mm more (two cuBLAS launches at batch 1) and the gates
-    kernel, for the one gates-with-b|a kernel."""
+def test_decode_step_without_the_fused_gates_took_the_product_the_gates_and_the_rule(
+    monkeypatch,
+):
+    """The layer as it was before: one mm more (two cuBLAS launches at batch 1), the gates
+    kernel and the rule, for the one rule-with-gates kernel."""
     monkeypatch.setattr(gated_deltanet, "GATES_FROM_X_MAX_TOKENS", 0)
-    launches = traced_launches(monkeypatch, 1)
+    launches = traced_launches(monkeypatch, 1, is_decode=True)
     assert launches["mm"] == 3 and launches["gdn_gates"] == 1
-    assert "gdn_gates_from_x" not in launches
+    assert launches["recurrent_gated_delta_rule"] == 1
+    assert "recurrent_gated_delta_rule_from_x" not in launches

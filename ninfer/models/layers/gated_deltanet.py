@@ -2,7 +2,9 @@
 gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for decode),
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
 in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
-the GPU a decode step then computes the b|a product inside the gates kernel."""
+the GPU a decode step then computes the b|a product and the gates inside the recurrent
+kernel (one launch for product, gates and rule), and a small prefill inside the gates
+kernel."""
 
 import torch
 from torch import nn
@@ -13,15 +15,16 @@ from ninfer.kernels.dispatch import (
     gdn_gates,
     gdn_gates_from_x,
     recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_from_x,
 )
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import GatedRMSNorm
 
-# Up to this many tokens (decode batches, speculative verification) the gates kernel computes
-# the dense b|a product itself, one program per token and weight row, saving the product's
-# launches; each token then re-reads the 2H x hidden weight, so prefill-sized batches keep the
-# matmul (which reads it once) and the gates kernel.
+# Up to this many tokens (decode batches, speculative verification) a kernel computes the dense
+# b|a product itself (the recurrent kernel at decode, else the gates kernel), saving the
+# product's launches; each token then re-reads the 2H x hidden weight, so prefill-sized
+# batches keep the matmul (which reads it once) and the gates kernel.
 GATES_FROM_X_MAX_TOKENS = 16
 
 
@@ -69,9 +72,9 @@ class GatedDeltaNet(nn.Module):
         }
         return [name for name, parts in pairs.items() if fuse_into(self, name, parts)]
 
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g fp32, beta) of each token and value head. Off the CPU, with b and a stacked dense,
-        decode-sized batches take one kernel for product and gates; the CPU, the reference
+    def ba_weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The stacked b|a weight where a kernel is to compute the b|a product of x itself: off
+        the CPU, stacked dense, decode-sized batches. None elsewhere: the CPU, the reference
         path, keeps its per-part products (`FusedLinear` says why)."""
         fused = self.in_proj_ba
         if (
@@ -80,11 +83,19 @@ class GatedDeltaNet(nn.Module):
             and x.device.type != "cpu"
             and x.shape[0] <= GATES_FROM_X_MAX_TOKENS
         ):
-            return gdn_gates_from_x(x, fused.linear.weight, self.A_log, self.dt_bias)
-        if fused is None:
+            return fused.linear.weight
+        return None
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g fp32, beta) of each token and value head: one kernel for product and gates where
+        `ba_weight_for` gives the weight, else the b and a products and the gates."""
+        ba_weight = self.ba_weight_for(x)
+        if ba_weight is not None:
+            return gdn_gates_from_x(x, ba_weight, self.A_log, self.dt_bias)
+        if self.in_proj_ba is None:
             b, a = self.in_proj_b(x), self.in_proj_a(x)
         else:
-            b, a = fused(x)
+            b, a = self.in_proj_ba(x)
         return gdn_gates(b, a, self.A_log, self.dt_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -93,7 +104,11 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         else:
             mixed_qkv, z = self.in_proj_qkvz(x)
-        g, beta = self.gates(x)
+        # At decode, where a kernel would compute the gates from x, the recurrent kernel does
+        # (one launch fewer); they are then computed after the conv, not before.
+        ba_weight = self.ba_weight_for(x) if ctx.is_decode else None
+        if ba_weight is None:
+            g, beta = self.gates(x)
         mixed = causal_conv1d(
             mixed_qkv,
             self.conv1d.weight[:, 0],
@@ -106,17 +121,23 @@ class GatedDeltaNet(nn.Module):
         key = key.view(tokens, self.num_key_heads, self.key_head_dim)
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
 
-        rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
-        out = rule(
-            query,
-            key,
-            value,
-            g,
-            beta,
-            ctx.cache.gdn_state[self.cache_index],
-            ctx.state_slots,
-            ctx.query_start,
-        )
+        states = ctx.cache.gdn_state[self.cache_index]
+        if ba_weight is not None:
+            out = recurrent_gated_delta_rule_from_x(
+                query,
+                key,
+                value,
+                x,
+                ba_weight,
+                self.A_log,
+                self.dt_bias,
+                states,
+                ctx.state_slots,
+                ctx.query_start,
+            )
+        else:
+            rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
+            out = rule(query, key, value, g, beta, states, ctx.state_slots, ctx.query_start)
         z = z.view(tokens, self.num_value_heads, self.value_head_dim)
         # `normed` holds the norm's output (and so its x split, kernels/x_split.py) alive
         # while out_proj reads the reshape: under inference mode a view keeps no base

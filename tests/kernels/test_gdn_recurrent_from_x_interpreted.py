@@ -1,0 +1,47 @@
+"""The decode delta rule with the GDN gates computed inside its kernel
+(`recurrent_gated_delta_rule_from_x`), run by Triton's CPU interpreter on tiny shapes: bit for
+bit the gates-from-x kernel followed by the delta-rule kernel it replaces, and within the
+delta rule's tolerances of the torch reference. Half precision is fp16
+(tests/triton_interpreter.py says why); bf16 at the model shapes runs in tests/gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import check_gdn_recurrent_from_x
+from triton_interpreter import load_kernel_module, require_interpreter
+
+require_interpreter()
+
+
+@pytest.fixture
+def interpreted():
+    torch.manual_seed(0)
+    return load_kernel_module
+
+
+@pytest.mark.parametrize("query_lens", [[1], [1, 1, 1], [1, 2, 1]], ids=["1", "3", "3-verify"])
+@pytest.mark.parametrize("value_heads_per_key_head", [1, 2])
+@pytest.mark.parametrize("hidden", [300, 2500])
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [pytest.param(torch.float16, 1e-3, id="fp16"), pytest.param(torch.float32, 1e-5, id="fp32")],
+)
+def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
+    interpreted, query_lens, value_heads_per_key_head, hidden, dtype, tol
+):
+    """Hidden within one column block of the dot product (300, masked) and over three (2500);
+    [1, 2, 1]: a sequence of two tokens, as speculative verification steps it."""
+    check_gdn_recurrent_from_x(
+        interpreted("gdn_recurrent_triton"),
+        interpreted("gdn_gates_triton"),
+        query_lens,
+        2,
+        2 * value_heads_per_key_head,
+        16,
+        32,
+        hidden,
+        dtype,
+        "cpu",
+        tol,
+    )
