@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels import attention_prelude as prelude_reference
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
@@ -432,6 +433,112 @@ def check_rotary(
     assert out.dtype == dtype and out.shape == x.shape
     assert relative_error(out[..., :rot_dim], exact[..., :rot_dim]) < tol
     assert torch.equal(out[..., rot_dim:], x[..., rot_dim:])
+
+
+def prelude_inputs(
+    tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rot_dim: int,
+    dtype: torch.dtype,
+    device,
+    skipped: tuple[int, ...] = (),
+) -> dict[str, torch.Tensor | float]:
+    """An attention layer's prelude arguments as the layer passes them: query, key and value
+    views of one fused q/k/v output (the query the first half of each head's [query | gate]),
+    cos/sin of real positions, caches of random pages and distinct random slots, negative for
+    the tokens in `skipped`."""
+    query_width = num_heads * 2 * head_dim
+    kv_width = num_kv_heads * head_dim
+    qkv = (torch.randn(tokens, query_width + 2 * kv_width, device=device) * 3).to(dtype)
+    query = qkv[:, :query_width].view(tokens, num_heads, 2 * head_dim)[..., :head_dim]
+    key = qkv[:, query_width : query_width + kv_width].view(tokens, num_kv_heads, head_dim)
+    value = qkv[:, query_width + kv_width :].view(tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 100_000, (tokens,), device=device).float()
+    inv_freq = 1e7 ** (-torch.arange(0, rot_dim, 2, device=device).float() / rot_dim)
+    angles = positions[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    num_pages = tokens // PAGE_SIZE + 3
+    k_cache = torch.randn(num_pages, PAGE_SIZE, num_kv_heads, head_dim, device=device).to(dtype)
+    slots = torch.randperm(num_pages * PAGE_SIZE)[:tokens].to(device)
+    slots[list(skipped)] = -1
+    return {
+        "query": query,
+        "key": key,
+        "value": value,
+        "q_weight": (torch.randn(head_dim, device=device) * 0.1).to(dtype),
+        "k_weight": (torch.randn(head_dim, device=device) * 0.1).to(dtype),
+        "eps": 1e-6,
+        "cos": angles.cos().to(dtype),
+        "sin": angles.sin().to(dtype),
+        "k_cache": k_cache,
+        "v_cache": torch.randn_like(k_cache),
+        "kv_write_slots": slots,
+    }
+
+
+def run_prelude(prelude, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, k_cache, v_cache) after `prelude` runs on fresh copies of the caches."""
+    args = dict(inputs, k_cache=inputs["k_cache"].clone(), v_cache=inputs["v_cache"].clone())
+    query = prelude(**args)
+    return query, args["k_cache"], args["v_cache"]
+
+
+def composed_prelude(norm, rotary, kv_write):
+    """The prelude as the layer ran it unfused: `norm.rms_norm` of q and of k, `rotary`'s
+    rotation of each (in place on the norms' fresh outputs), then `kv_write`."""
+
+    def prelude(
+        query, key, value, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, kv_write_slots
+    ):
+        query = rotary.apply_rotary(norm.rms_norm(query, q_weight, eps), cos, sin)
+        key = rotary.apply_rotary(norm.rms_norm(key, k_weight, eps), cos, sin)
+        kv_write.write_kv(key, value, k_cache, v_cache, kv_write_slots)
+        return query
+
+    return prelude
+
+
+def check_attention_prelude(
+    fused,
+    norm,
+    rotary,
+    kv_write,
+    tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rot_dim: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+) -> None:
+    """The fused prelude against the unfused kernels `norm`, `rotary` and `kv_write` run one
+    after another: the query and both whole caches equal bit for bit, with all slots valid and
+    (from T = 3) with token 1 skipped by a negative slot. Against the torch reference (valid
+    slots only: its index_copy_ raises on -1): the query and the written K rows within `tol`
+    (relative), the V rows exact, the rest of the pool as it was."""
+    shape = (tokens, num_heads, num_kv_heads, head_dim, rot_dim, dtype, device)
+    composed = composed_prelude(norm, rotary, kv_write)
+    for skipped in ((), (1,)) if tokens >= 3 else ((),):
+        inputs = prelude_inputs(*shape, skipped)
+        query, k_cache, v_cache = run_prelude(fused.attention_prelude, inputs)
+        ref_query, ref_k_cache, ref_v_cache = run_prelude(composed, inputs)
+        assert query.shape == (tokens, num_heads, head_dim) and query.is_contiguous()
+        assert torch.equal(query, ref_query)
+        assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    inputs = prelude_inputs(*shape)
+    query, k_cache, v_cache = run_prelude(fused.attention_prelude, inputs)
+    ref_query, ref_k_cache, ref_v_cache = run_prelude(prelude_reference.attention_prelude, inputs)
+    assert relative_error(query, ref_query) < tol
+    rows = [cache.flatten(0, 1) for cache in (k_cache, v_cache, ref_k_cache, ref_v_cache)]
+    written = inputs["kv_write_slots"]
+    assert relative_error(rows[0][written], rows[2][written]) < tol
+    assert torch.equal(rows[1][written], rows[3][written])
+    kept = torch.ones(rows[0].shape[0], dtype=torch.bool, device=written.device)
+    kept[written] = False
+    assert torch.equal(rows[0][kept], rows[2][kept]) and torch.equal(rows[1][kept], rows[3][kept])
 
 
 def check_gdn_gates(

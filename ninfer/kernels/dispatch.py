@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.kernels import attention_prelude as prelude_reference
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gdn_chunked as chunked_reference
 from ninfer.kernels import gdn_gates as gates_reference
 from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
-from ninfer.kernels import kv_write as kv_write_reference
 from ninfer.kernels import moe_combine as combine_reference
 from ninfer.kernels import moe_routing as routing_reference
 from ninfer.kernels import output_gate as output_gate_reference
 from ninfer.kernels import paged_attention as attention_reference
 from ninfer.kernels import rms_norm as norm_reference
-from ninfer.kernels import rotary as rotary_reference
 from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
@@ -75,19 +74,28 @@ def paged_attention_prefill(
     )
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
+def attention_prelude(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_write_slots: torch.Tensor,
-) -> None:
-    if use_triton(k, k_cache) and all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache)):
-        from ninfer.kernels import kv_write_triton
-
-        kv_write_triton.write_kv(k, v, k_cache, v_cache, kv_write_slots)
-    else:
-        kv_write_reference.write_kv(k, v, k_cache, v_cache, kv_write_slots)
+) -> torch.Tensor:
+    """An attention layer's q/k norms, rotary and K/V write (`attention_prelude`): one Triton
+    kernel on CUDA. Returns the normed, rotated query; the key goes to the pages only."""
+    module = prelude_reference
+    tensors = (query, key, value, cos, sin, k_cache, v_cache)
+    if use_triton(*tensors) and all(t.stride(-1) == 1 for t in tensors):
+        from ninfer.kernels import attention_prelude_triton as module
+    return module.attention_prelude(
+        query, key, value, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, kv_write_slots
+    )
 
 
 def chunk_gated_delta_rule(
@@ -306,16 +314,6 @@ def sigmoid_gate(
 
         return output_gate_triton.sigmoid_gate(attn, gate, split)
     return output_gate_reference.sigmoid_gate(attn, gate)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on the first cos.shape[-1] dims. The Triton path rotates x in place:
-    pass a tensor the caller owns and use the return value."""
-    if use_triton(x, cos, sin) and all(t.stride(-1) == 1 for t in (x, cos, sin)):
-        from ninfer.kernels import rotary_triton
-
-        return rotary_triton.apply_rotary(x, cos, sin)
-    return rotary_reference.apply_rotary(x, cos, sin)
 
 
 def moe_route(

@@ -3,8 +3,9 @@
 Eager torch slices, negates, concatenates and multiplies (about ten kernels) and rebuilds the
 whole head with a final concatenation, although only the first rot dims (64 of 256 in Qwen3.5)
 change. This kernel reads and rewrites just those dims of every head of a token in one program,
-in fp32 with one rounding. The result is written into x, which the caller must own (the
-attention layer passes the fresh output of q_norm / k_norm).
+in fp32 with one rounding. The result is written into x, which the caller must own. The
+attention layer runs this arithmetic inside its prelude kernel (`attention_prelude_triton`),
+which equals `rms_norm_triton` then this kernel bit for bit.
 Reference: `rotary.apply_rotary` (same signature; it returns a new tensor instead).
 """
 

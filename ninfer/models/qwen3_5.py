@@ -166,7 +166,6 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
@@ -181,7 +180,7 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         if self.layer_type == "full_attention":
-            mixed = self.self_attn(normed, rotary, cos, sin, ctx)
+            mixed = self.self_attn(normed, cos, sin, ctx)
         else:
             mixed = self.linear_attn(normed, ctx)
         normed, residual = self.post_attention_layernorm(self.shard.all_reduce(mixed), residual)
@@ -227,7 +226,7 @@ class MultiTokenPredictor(nn.Module):
         cos, sin = parent.rotary.cos_sin(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, parent.rotary, cos, sin, ctx)
+            x, residual = layer(x, residual, cos, sin, ctx)
         return self.norm(x, residual)[0]
 
 
@@ -350,7 +349,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rotary, cos, sin, ctx)
+            hidden, residual = layer(hidden, residual, cos, sin, ctx)
         return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()

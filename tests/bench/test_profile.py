@@ -110,6 +110,7 @@ def test_profiling_switches_graphs_off_for_the_run_only():
         ("_decode_split_kernel", "attention"),
         ("_prefill_kernel", "attention"),
         ("_write_kernel", "attention"),
+        ("_attention_prelude_kernel", "attention"),
         ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn"),
         ("solve_tril_16x16_kernel", "gdn"),
         ("_recurrent_kernel", "gdn"),

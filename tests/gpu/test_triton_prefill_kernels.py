@@ -15,6 +15,7 @@ from kernel_cases import (
     check_paged_prefill_attention,
     check_rotary,
     check_silu_mul,
+    prelude_inputs,
 )
 
 pytestmark = [
@@ -118,33 +119,33 @@ def test_gdn_prefill_through_fla(query_lens, num_key_heads, num_value_heads):
 
 
 def test_dispatch_routes_prefill_kernels(monkeypatch):
-    """bf16 CUDA tensors take the Triton attention and KV write and fla's GDN; fp32 keeps the
-    exact references for attention and GDN."""
-    from ninfer.kernels import dispatch, kv_write_triton, paged_attention_prefill_triton
+    """bf16 CUDA tensors take the Triton attention and the fused prelude (norms, rotary, K/V
+    write) and fla's GDN; fp32 keeps the exact reference for attention and GDN, the prelude
+    runs in Triton in any dtype."""
+    from ninfer.kernels import attention_prelude_triton, dispatch, paged_attention_prefill_triton
 
     calls = []
     for module, name in [
         (paged_attention_prefill_triton, "paged_attention_prefill"),
-        (kv_write_triton, "write_kv"),
+        (attention_prelude_triton, "attention_prelude"),
     ]:
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     for dtype in (BF16, torch.float32):
-        k_cache = torch.randn(2, 64, 2, 64, device="cuda", dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
-        rows = torch.randn(3, 2, 64, device="cuda", dtype=dtype)
-        dispatch.write_kv(rows, rows, k_cache, v_cache, torch.tensor([0, 1, 2], device="cuda"))
+        inputs = prelude_inputs(3, 4, 2, 64, 16, dtype, "cuda")
+        inputs["kv_write_slots"] = torch.tensor([64, 65, 66], device="cuda")
+        query = dispatch.attention_prelude(*inputs.values())
         dispatch.paged_attention_prefill(
-            torch.randn(3, 4, 64, device="cuda", dtype=dtype),
-            k_cache,
-            v_cache,
+            query,
+            inputs["k_cache"],
+            inputs["v_cache"],
             torch.tensor([[1, -1]], dtype=torch.int32, device="cuda"),
             torch.tensor([0, 3], dtype=torch.int32, device="cuda"),
             torch.tensor([0], dtype=torch.int32, device="cuda"),
             torch.tensor([3], dtype=torch.int32, device="cuda"),
             0.125,
         )
-    assert calls == ["write_kv", "paged_attention_prefill", "write_kv"]
+    assert calls == ["attention_prelude", "paged_attention_prefill", "attention_prelude"]
 
 
 @pytest.mark.parametrize("rows", [1, 7, 4096])

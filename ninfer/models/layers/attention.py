@@ -1,21 +1,21 @@
 """Gated full attention: q_proj packs per head [query | gate]; q/k RMSNorm before partial
-M-RoPE; GQA over paged K/V; output multiplied by sigmoid(gate) before o_proj. After loading,
-`fuse_projections` runs q_proj, k_proj and v_proj as one linear (the names load the weights)."""
+M-RoPE, then K/V into the pages (one call, `attention_prelude`); GQA over paged K/V; output
+multiplied by sigmoid(gate) before o_proj. After loading, `fuse_projections` runs q_proj, k_proj
+and v_proj as one linear (the names load the weights)."""
 
 import torch
 from torch import nn
 
 from ninfer.kernels.dispatch import (
+    attention_prelude,
     paged_attention_decode,
     paged_attention_prefill,
     sigmoid_gate,
-    write_kv,
 )
 from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import RMSNorm
-from ninfer.models.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -51,7 +51,6 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
@@ -65,12 +64,23 @@ class Attention(nn.Module):
         query, gate = query_gate.chunk(2, -1)
         key = key.view(tokens, self.num_kv_heads, self.head_dim)
         value = value.view(tokens, self.num_kv_heads, self.head_dim)
-        query = rotary.apply(self.q_norm(query), cos, sin)
-        key = rotary.apply(self.k_norm(key), cos, sin)
-
         k_cache = ctx.cache.k[self.cache_index]
         v_cache = ctx.cache.v[self.cache_index]
-        write_kv(key, value, k_cache, v_cache, ctx.kv_write_slots)
+        # attention reads K only from the pages, decode and prefill alike: the normed, rotated
+        # key is written there and nowhere else
+        query = attention_prelude(
+            query,
+            key,
+            value,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,  # both norms are built with the one eps
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            ctx.kv_write_slots,
+        )
         scale = self.head_dim**-0.5
         if ctx.is_decode:
             out = paged_attention_decode(

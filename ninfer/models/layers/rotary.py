@@ -3,14 +3,13 @@
 Only the first `rot = head_dim * partial_rotary_factor` dims rotate, in the half-split (NeoX)
 form. Frequency i takes its angle from the H position if i % 3 == 1 and i < 3 * s_H, from W if
 i % 3 == 2 and i < 3 * s_W, else from T. Text tokens carry one position on all three axes,
-which reduces to 1-D RoPE. cos/sin are computed in fp32 and cast to the model dtype.
+which reduces to 1-D RoPE. cos/sin are computed in fp32 and cast to the model dtype; the
+attention layer rotates q and k with them in its prelude (`kernels/attention_prelude.py`).
 """
 
 from collections.abc import Sequence
 
 import torch
-
-from ninfer.kernels.dispatch import apply_rotary
 
 
 class RotaryEmbedding:
@@ -44,7 +43,3 @@ class RotaryEmbedding:
         angles = per_freq * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim], owned by the caller: on CUDA it is rotated in place."""
-        return apply_rotary(x, cos, sin)
