@@ -19,8 +19,9 @@ from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
-# Warps per token's program.
-ROUTE_WARPS = 4
+# Warps per token's program: one keeps the k rounds of reductions inside a warp (3.65 us per
+# decode step's routing at 256 experts, top 8, against 4.14 us with four warps on the H200).
+ROUTE_WARPS = 1
 
 
 @triton.jit
