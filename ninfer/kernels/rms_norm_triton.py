@@ -16,10 +16,12 @@ from ninfer.kernels.triton_support import next_power_of_2
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 # Warps per program: one per NORM_ELEMENTS_PER_WARP values of the (power-of-two padded) row,
-# at most NORM_MAX_WARPS. A one-row decode norm is latency: with the residual and the x split
-# it took 2.46 us at 4 warps against 3.55 at 16 (5120 wide) and 2.05 against 3.16 at 8 (2048
-# wide) on the H200 (CUDA-graph replay, median).
-NORM_ELEMENTS_PER_WARP, NORM_MAX_WARPS = 256, 4
+# at most NORM_MAX_WARPS, or NORM_DECODE_MAX_WARPS for up to DECODE_ROWS rows. A decode norm
+# is latency: one row with the residual and the x split took 2.46 us at 4 warps against 3.55
+# at 16 (5120 wide) and 2.05 against 3.16 at 8 (2048 wide) on the H200 (CUDA-graph replay,
+# median); prefill rows keep more warps, fewer values (registers) per thread.
+NORM_ELEMENTS_PER_WARP, NORM_MAX_WARPS = 256, 16
+NORM_DECODE_MAX_WARPS, DECODE_ROWS = 4, 16
 
 
 @triton.jit
@@ -122,6 +124,7 @@ def rms_norm(
         # program looping over a 5120-wide row's 80 groups made each norm ~5 us longer than
         # the norm and a separate split together (docs/performance.md, Measurement 7). Each
         # part's program still reads the whole row for its sum of squares.
+        most_warps = NORM_DECODE_MAX_WARPS if num_rows <= DECODE_ROWS else NORM_MAX_WARPS
         parts = 1
         if buffers is not None:
             parts = triton.cdiv(dim // split.group, split_constants["SPLIT_BLOCK_G"])
@@ -143,7 +146,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             **split_constants,
-            num_warps=min(NORM_MAX_WARPS, max(1, block // NORM_ELEMENTS_PER_WARP)),
+            num_warps=min(most_warps, max(1, block // NORM_ELEMENTS_PER_WARP)),
             **pdl_options(x_rows.device),
         )
     y = out.view(x.shape)
