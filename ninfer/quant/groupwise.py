@@ -100,7 +100,7 @@ class GroupwiseIntFormat(WeightFormat):
                 .to(torch.uint8)
                 .reshape(n, kp // per_byte, per_byte)
             )
-            packed = torch.zeros(n, kp // per_byte, dtype=torch.uint8)
+            packed = torch.zeros(n, kp // per_byte, dtype=torch.uint8, device=codes.device)
             for j in range(per_byte):
                 packed |= high[:, :, j] << (j * width)
             planes["high"] = packed
