@@ -13,10 +13,7 @@ planes and never leave registers as floats. Two kernels:
   the copy rate; this form needs about one. A program computes rows of one x row (a second
   dimension over x rows held them in three-dimensional tiles and ran 20-30 % slower at one
   row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
-  once per row, so only one row takes it in decode. Under programmatic dependent launch a
-  program is placed while the kernel before it still runs; before waiting for that kernel it
-  asks the L2 for the first lines of its weight rows (no kernel of a step writes weights), so
-  the product starts on weights already on their way instead of a memory round trip.
+  once per row, so only one row takes it in decode.
 - more x rows (x padded to 16 rows): each tile of BLOCK_K columns is dequantized in registers
   as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype; a q4 byte's
   nibbles are values 2j and 2j + 1, interleaved back with a join) and multiplied on the tensor
@@ -65,8 +62,6 @@ _counters: dict[torch.device, torch.Tensor] = {}
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
 FINE = tl.constexpr(254)
 FINE_MAX = tl.constexpr(127.0)
-# Code words in one 128-byte L2 line.
-WORDS_PER_LINE = tl.constexpr(32)
 # Triton's CPU interpreter runs no inline assembly: there the dp4a is spelled out in shifts.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Tensor-core kernel, per format: (weight rows, weight columns per tile, warps, pipeline
@@ -300,21 +295,6 @@ def _quantize_x_kernel(
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask the L2 for the 128-byte lines holding `ptrs` where `mask`, writing no register and
-    not waiting: loads that come later find them there or already on their way. May precede
-    `await_inputs` for memory no kernel of the step writes (weights)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p prefetch.global.L2 [$2]; mov.b32 $0, 0; }",
-        "=r,r,l",
-        [mask.to(tl.int32), ptrs.to(tl.int64)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _int_dot(a, b, acc, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
     """acc + the dot product of the four bytes of a (unsigned, or signed if SIGNED_A) with the
     four signed bytes of b: one dp4a instruction on the GPU, shifts in the interpreter."""
@@ -363,23 +343,16 @@ def _groupwise_gemv_int_kernel(
     BLOCK_WORDS: tl.constexpr,
     STAGES: tl.constexpr,
     ASM: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[c, rows] = W x[c] for x row c = program column, or, when GATHER, out[c, rows] =
     W[experts[c]] x[x_rows[c]] (one MoE token-expert pair per column; x_rows[c] < 0 writes
     nothing). Per group, the integer sum over codes * (FINE * coarse + fine) is exact; it is
     scaled once per group by the weight's and x's scales."""
+    await_inputs(PDL)
     pid_n = tl.program_id(0)
     col = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH_LINES > 0 and not GATHER:
-        # the weights are no output of the kernel before: their first lines are asked of the
-        # L2 while it still runs (a gathered expert is known only after the routing)
-        lines = tl.arange(0, PREFETCH_LINES) * WORDS_PER_LINE
-        first = words_ptr + rows[:, None].to(tl.int64) * stride_words + lines[None, :]
-        prefetch_l2(first, (rows < N)[:, None] & (lines < num_words)[None, :])
-    await_inputs(PDL)
     if GATHER:
         m = tl.load(x_rows_ptr + col).to(tl.int64)
         expert = tl.load(experts_ptr + col).to(tl.int64)
@@ -466,15 +439,6 @@ def _int_config(num_rows: int, out_cols: int, device: torch.device):
     return block_n, max(8, INT_STEP_WORDS // block_n)
 
 
-def _prefetch_lines(block_words: int, gather: bool) -> int:
-    """L2 lines per weight row a program of the integer kernel asks for before its PDL wait:
-    those of its first INT_STAGES steps (a power of two, for the index range); none for
-    gathered experts, under the interpreter, or with NINFER_L2_PREFETCH=0."""
-    if gather or INTERPRETED or os.environ.get("NINFER_L2_PREFETCH", "1") == "0":
-        return 0
-    return next_power_of_2(triton.cdiv(INT_STAGES * block_words, WORDS_PER_LINE.value))
-
-
 def _int_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -527,7 +491,6 @@ def _int_linear(
         BLOCK_WORDS=block_words,
         STAGES=INT_STAGES,
         ASM=not INTERPRETED,
-        PREFETCH_LINES=_prefetch_lines(block_words, gather),
         num_warps=INT_WARPS,
         **pdl_options(x_codes.device),
     )

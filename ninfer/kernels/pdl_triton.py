@@ -7,9 +7,7 @@ kernel before it still runs, and wait on the device until it has finished.
 
 The contract, kept by every kernel of ours: its first statement is `await_inputs(PDL)`, before
 any load, store or early return, so that no program reads what the kernel before it writes
-(or writes what it reads) too soon. The one thing allowed before it is an L2 prefetch of
-weights (`groupwise_gemv_triton.prefetch_l2`): no kernel of a step writes them, and a
-prefetch writes no register. Waiting first in every program also keeps the order
+(or writes what it reads) too soon. Waiting first in every program also keeps the order
 transitive: a kernel ends only after its own predecessor has, so kernels further back have
 finished too. Kernels of other libraries (torch, cuBLAS, fla) are launched without the
 attribute and keep the stream's full ordering on both sides.
