@@ -5,7 +5,8 @@ launch for both, one program per token moving its [nkv, d] K and V rows, cast to
 dtype on the store. The bytes are the same; what it saves is the second launch and the casts,
 which matter in decode steps (a few hundred tokens at most) rather than in prefill. A negative
 slot skips its token (a padded row of a fixed-size batch), where the reference would raise.
-The attention layer writes its K/V inside its prelude kernel (`attention_prelude_triton`).
+The engine no longer launches it: the attention layer writes its K/V inside its prelude
+kernel (`attention_prelude_triton`), which is checked against this one.
 Reference: `kv_write.write_kv` (same signature).
 """
 

@@ -4,8 +4,9 @@ Eager torch slices, negates, concatenates and multiplies (about ten kernels) and
 whole head with a final concatenation, although only the first rot dims (64 of 256 in Qwen3.5)
 change. This kernel reads and rewrites just those dims of every head of a token in one program,
 in fp32 with one rounding. The result is written into x, which the caller must own. The
-attention layer runs this arithmetic inside its prelude kernel (`attention_prelude_triton`),
-which equals `rms_norm_triton` then this kernel bit for bit.
+engine no longer launches it: the attention layer runs this arithmetic inside its prelude
+kernel (`attention_prelude_triton`), and this kernel stays as the unfused form that prelude is
+checked against, bit for bit, after `rms_norm_triton`.
 Reference: `rotary.apply_rotary` (same signature; it returns a new tensor instead).
 """
 

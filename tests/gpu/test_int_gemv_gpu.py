@@ -31,3 +31,22 @@ def test_integer_gemv_at_the_27b_shapes(format_name, n, k, m):
         check_groupwise_linear(
             groupwise_gemv_triton, format_name, m, n, k, torch.bfloat16, "cuda", 4e-3
         )
+
+
+@pytest.mark.parametrize(
+    "format_name", ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
+)
+def test_encoding_on_the_gpu_gives_the_cpu_planes(format_name):
+    """The bench encodes its random weights on the device (every plane allocated there): the
+    planes equal those encoded on the CPU, bit for bit."""
+    from ninfer.quant import get_format
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 320) * 0.02
+    fmt = get_format(format_name)
+    on_cpu = fmt.encode(weight)
+    on_gpu = fmt.encode(weight.cuda())
+    assert on_gpu.planes.keys() == on_cpu.planes.keys()
+    for name, plane in on_gpu.planes.items():
+        assert plane.device.type == "cuda", name
+        assert torch.equal(plane.cpu(), on_cpu.planes[name]), name
