@@ -55,7 +55,9 @@ def norm_and_routing_warps() -> None:
         for per_warp in (2048, 1024, 512, 256):
             rms_norm_triton.NORM_ELEMENTS_PER_WARP = per_warp
             warps = min(16, max(1, rms_norm_triton.next_power_of_2(dim) // per_warp))
-            us = median_us(lambda: rms_norm_triton.rms_norm(x, weight, 1e-6, residual, split))
+            us = median_us(
+                lambda x=x, w=weight, r=residual: rms_norm_triton.rms_norm(x, w, 1e-6, r, split)
+            )
             print(f"{f'rms_norm + residual + split, 1 x {dim}':40} {warps:5d} {us:7.2f}")
     rms_norm_triton.NORM_ELEMENTS_PER_WARP, rms_norm_triton.NORM_DECODE_MAX_WARPS = defaults
     default_warps = moe_routing_triton.ROUTE_WARPS
@@ -63,7 +65,7 @@ def norm_and_routing_warps() -> None:
         logits = torch.randn(tokens, 256, device=DEVICE, dtype=BF16)
         for warps in (1, 2, 4):
             moe_routing_triton.ROUTE_WARPS = warps
-            us = median_us(lambda: moe_routing_triton.moe_route(logits, 8, BF16, 0, 256, True))
+            us = median_us(lambda z=logits: moe_routing_triton.moe_route(z, 8, BF16, 0, 256, True))
             print(f"{f'moe_route T={tokens}, 256 experts, top 8':40} {warps:5d} {us:7.2f}")
     moe_routing_triton.ROUTE_WARPS = default_warps
 
@@ -92,14 +94,17 @@ def int4pack_against_ours() -> None:
                 theirs = median_us(
                     rotating(
                         [
-                            lambda p=p: torch.ops.aten._weight_int4pack_mm(x, p[0], 64, p[1])
+                            lambda p=p, x=x: torch.ops.aten._weight_int4pack_mm(x, p[0], 64, p[1])
                             for p in packs
                         ]
                     )
                 )
                 ours = median_us(
                     rotating(
-                        [lambda w=w: groupwise_gemv_triton.groupwise_linear(x, w) for w in weights]
+                        [
+                            lambda w=w, x=x: groupwise_gemv_triton.groupwise_linear(x, w)
+                            for w in weights
+                        ]
                     )
                 )
                 print(f"{f'{n}x{k}':18} {tiles:5d} {m:3d} {theirs:12.1f} {ours:8.1f}")
