@@ -340,9 +340,9 @@ def moe_router_route(
     first: int,
     count: int,
     shared: bool = False,
-) -> tuple[Routes, torch.Tensor | None]:
-    """The router product and the routing (`moe_router.moe_router_route`): one Triton kernel
-    on CUDA for x and router in one half-precision dtype (for decode-sized T: the caller
+) -> tuple[Routes, torch.Tensor]:
+    """The routes and the router's logits (`moe_router.moe_router_route`): one Triton kernel on
+    CUDA for x and router in one half-precision dtype (for decode-sized T: the caller
     decides)."""
     module = router_reference
     if (

@@ -1,6 +1,7 @@
 """MoE router product and routing (torch reference): the router's logits x @ W.T in x's dtype
-as F.linear computes them, then `moe_routing.moe_route` on the first num_experts of them. A
-router stacked with the shared expert's gate (row num_experts of W) also gives that logit."""
+as F.linear computes them, then `moe_routing.moe_route` on the first num_experts of them. With
+the shared expert's gate stacked as row num_experts of W, its logit is that column of the
+product."""
 
 from __future__ import annotations
 
@@ -27,16 +28,11 @@ def moe_router_route(
     first: int,
     count: int,
     shared: bool = False,
-) -> tuple[Routes, torch.Tensor | None]:
+) -> tuple[Routes, torch.Tensor]:
     """x [T, H]; router_weight [E, H], or [E + 1, H] with the shared expert's gate stacked
     last. Returns the routes (weights in x's dtype; `first`, `count`, `shared` as for
-    `moe_route`) and the shared gate's logit [T, 1] in x's dtype, or None without its row."""
+    `moe_route`) and the router's logits [T, E or E + 1] in x's dtype: column E, where there
+    is one, is the shared gate's logit."""
     check_router(x, router_weight, num_experts)
     logits = F.linear(x, router_weight)
-    routes = moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared)
-    return routes, shared_gate_of(logits, num_experts)
-
-
-def shared_gate_of(logits: torch.Tensor, num_experts: int) -> torch.Tensor | None:
-    """The stacked shared gate's column of a router product [T, E or E + 1], or None."""
-    return logits[:, num_experts:] if logits.shape[1] > num_experts else None
+    return moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared), logits

@@ -1,16 +1,16 @@
 """The MoE router product and the routing in one Triton kernel, for decode: it saves a launch
-per MoE layer in a decode step that is launch-bound (cuBLAS's GEMV of the stacked router and
-shared-expert gate, then `moe_routing_triton`'s kernel, were two launches each of a few us).
+per MoE layer in a decode step that is launch-bound (cuBLAS's GEMV of the router stacked with
+the shared expert's gate, then the routing kernel of `moe_routing_triton`, took two).
 
-Program (t, b) computes the dot products of x[t] with router rows b * ROWS_PER_PROGRAM... as
-`gdn_gates_triton._x_dot_rows` does (fp32 sums rounded to x's dtype, as F.linear's output is)
-and stores them into a scratch row of logits; then it bumps token t's arrival counter, and the
-program that arrives last routes the token on the whole row (`moe_routing_triton.route_token`,
-the routing kernel's own code) and resets the counter. The counters are the split-K GEMV's
-(`groupwise_gemv_triton.tile_counters`, the same store-barrier-atomic pattern): where they
-cannot be had (first allocated inside a graph capture) the product and the routing run as two
-launches. The logits' fp32 summation order is not cuBLAS's, so a logit can differ from the
-unfused path's in its last bit, and the top-k can then differ at near-ties.
+Program (t, b) computes the dot products of x[t] with its block of router rows as the GDN
+gates' kernels do (`gdn_gates_triton._x_dot_rows`: fp32 sums rounded to x's dtype, as F.linear's
+output is) and stores them into token t's row of logits; then it bumps t's arrival counter,
+and the program that arrives last routes the token on the whole row (`route_token`, the
+routing kernel's own code) and resets the counter. The counters, and the order of stores,
+barrier and atomic, are the split-K GEMV's (`groupwise_gemv_triton.tile_counters`); where they
+cannot be had (first asked for inside a graph capture) the product and the routing run as two
+launches. The fp32 summation order is not cuBLAS's, so a logit can differ from the unfused
+path's in its last bit, and the chosen experts then differ at near-ties only.
 Reference: `moe_router.moe_router_route` (same signature)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ninfer.kernels.gdn_gates_triton import _x_dot_rows
 from ninfer.kernels.groupwise_gemv_triton import tile_counters
-from ninfer.kernels.moe_router import check_router, shared_gate_of
+from ninfer.kernels.moe_router import check_router
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_route, route_token
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
@@ -106,7 +106,7 @@ def moe_router_route(
     first: int,
     count: int,
     shared: bool = False,
-) -> tuple[Routes, torch.Tensor | None]:
+) -> tuple[Routes, torch.Tensor]:
     """Same contract as `moe_router.moe_router_route`; x and router_weight of one dtype with
     unit stride along hidden. Meant for decode-sized T: each token re-reads the whole router."""
     check_router(x, router_weight, num_experts)
@@ -119,8 +119,7 @@ def moe_router_route(
     counters = tile_counters(x.device, tokens)
     if counters is None:  # none yet inside a graph capture: the product, then the routing
         logits = F.linear(x, router_weight)
-        routes = moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared)
-        return routes, shared_gate_of(logits, num_experts)
+        return moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared), logits
     logits = torch.empty(tokens, num_rows, dtype=x.dtype, device=x.device)
     routes = empty_routes(tokens, top_k, x.dtype, x.device, shared)
     if tokens:
@@ -145,4 +144,4 @@ def moe_router_route(
             num_warps=ROUTE_WARPS,
             **pdl_options(x.device),
         )
-    return routes, shared_gate_of(logits, num_experts)
+    return routes, logits

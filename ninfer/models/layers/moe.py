@@ -500,9 +500,11 @@ class SparseMoE(nn.Module):
             first, count = experts.first, experts.num_experts
             router_weight = self.fused_router_weight(x)
             if router_weight is not None:
-                routes, shared_gate = moe_router_route(
-                    x, router_weight, self.router.split_sizes[0], self.top_k, first, count, in_pairs
+                num_experts = self.router.split_sizes[0]
+                routes, logits = moe_router_route(
+                    x, router_weight, num_experts, self.top_k, first, count, in_pairs
                 )
+                shared_gate = logits[:, num_experts:]
             else:
                 logits, shared_gate = self.router_logits(x)
                 routes = moe_route(logits, self.top_k, x.dtype, first, count, in_pairs)
