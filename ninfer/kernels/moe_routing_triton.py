@@ -6,7 +6,9 @@ at its rank among the chosen ids, so the choices come out in id order without a 
 Of equal probabilities the lowest expert id is taken, as torch.topk on CUDA does (its gather
 pass writes values equal to the k-th in index order). A NaN probability ranks above all others,
 as in torch.topk, so every id written is a valid expert. Where the shared expert is stacked
-with the routed ones, each program also writes its token's pair with it.
+with the routed ones, each program also writes its token's pair with it. The routing of a
+row is `route_token`, which the fused router and routing kernel (`moe_router_triton`) calls
+too, so the two cannot route differently.
 Reference: `moe_routing.moe_route` (same signature)."""
 
 from __future__ import annotations
