@@ -656,3 +656,86 @@ def moe_block(hidden: int, num_experts: int, top_k: int, width: int, encoded: bo
             setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
     block.shared_expert.fuse_projections()
     return block
+
+
+def one_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s values at each of `values`' magnitudes (fp32)."""
+    finfo = torch.finfo(dtype)
+    magnitude = values.float().abs().clamp_min(finfo.smallest_normal)
+    _, exponent = torch.frexp(magnitude)  # magnitude in [2^(e-1), 2^e)
+    return torch.ldexp(torch.full_like(magnitude, finfo.eps), exponent - 1)
+
+
+def decided_tokens(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T] bool: tokens whose k-th and (k+1)-th largest logits (so probabilities) are further
+    apart than the two logits' last bits, so that logits differing from these by at most one
+    rounding still choose the same experts."""
+    ranked = logits.float().sort(dim=-1, descending=True).values
+    if top_k == logits.shape[1]:
+        return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    kth, next_ = ranked[:, top_k - 1], ranked[:, top_k]
+    return kth - next_ > one_ulp(kth, logits.dtype) + one_ulp(next_, logits.dtype)
+
+
+def expected_pair_lists(
+    experts: torch.Tensor, first: int, count: int, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pair lists `moe_route` derives from each token's chosen experts (`Routes`)."""
+    tokens, top_k = experts.shape
+    device = experts.device
+    pair_tokens = torch.arange(tokens, device=device).repeat_interleave(top_k)
+    pair_experts = (experts.long() - first).clamp(0, count - 1).reshape(-1)
+    if shared:
+        pair_tokens = torch.cat([pair_tokens, torch.arange(tokens, device=device)])
+        pair_experts = torch.cat([pair_experts, pair_experts.new_full((tokens,), count)])
+    pairs = torch.arange(pair_tokens.shape[0], device=device)
+    return pair_tokens.int(), pair_experts.int(), pairs.int()
+
+
+def check_moe_router_route(
+    module,
+    route,
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    stacked: bool,
+    held: tuple[int, int],
+    shared: bool,
+    dtype: torch.dtype,
+    device,
+) -> None:
+    """`module.moe_router_route` against F.linear and `route` (a routing of its logits):
+    - the logits (the shared gate's included, where `stacked`) within one rounding of
+      F.linear's: the fp32 summation orders differ;
+    - the routes exactly `route`'s of those logits (weights within one rounding step);
+    - against the unfused path (`route` of F.linear's logits): the same experts for every
+      token not at a near-tie (`decided_tokens`), weights within what one rounding of the
+      logits moves them, and pair lists those of the chosen experts."""
+    first, count = held
+    rows = num_experts + int(stacked)
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    weight = (torch.randn(rows, hidden, device=device) * hidden**-0.5).to(dtype)
+    routes, logits = module.moe_router_route(x, weight, num_experts, top_k, first, count, shared)
+    reference_logits = torch.nn.functional.linear(x, weight)
+    assert logits.dtype == dtype and logits.shape == (tokens, rows)
+    assert (
+        (logits.float() - reference_logits.float()).abs() <= one_ulp(reference_logits, dtype)
+    ).all()
+    eps = torch.finfo(dtype).eps
+    own = route(logits[:, :num_experts], top_k, dtype, first, count, shared)
+    for name in ("experts", "pair_tokens", "pair_experts", "pairs"):
+        assert getattr(routes, name).dtype == torch.int32
+        assert torch.equal(getattr(routes, name), getattr(own, name)), name
+    assert routes.weights.dtype == dtype
+    torch.testing.assert_close(routes.weights, own.weights, rtol=eps, atol=0)
+    ref = route(reference_logits[:, :num_experts], top_k, dtype, first, count, shared)
+    decided = decided_tokens(reference_logits[:, :num_experts], top_k)
+    assert torch.equal(routes.experts[decided], ref.experts[decided])
+    rtol = 2.5 * one_ulp(reference_logits.abs().max(), dtype).item() + eps
+    torch.testing.assert_close(routes.weights[decided], ref.weights[decided], rtol=rtol, atol=0)
+    for name, expected in zip(
+        ("pair_tokens", "pair_experts", "pairs"),
+        expected_pair_lists(routes.experts, first, count, shared),
+    ):
+        assert torch.equal(getattr(routes, name), expected), name

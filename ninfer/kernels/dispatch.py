@@ -15,6 +15,7 @@ from ninfer.kernels import gdn_recurrent as gdn_reference
 from ninfer.kernels import groupwise_dequant as dequant_reference
 from ninfer.kernels import groupwise_gemv as gemv_reference
 from ninfer.kernels import moe_combine as combine_reference
+from ninfer.kernels import moe_router as router_reference
 from ninfer.kernels import moe_routing as routing_reference
 from ninfer.kernels import output_gate as output_gate_reference
 from ninfer.kernels import paged_attention as attention_reference
@@ -329,6 +330,30 @@ def moe_route(
     if use_triton(logits) and logits.stride(-1) == 1:
         from ninfer.kernels import moe_routing_triton as module
     return module.moe_route(logits, top_k, dtype, first, count, shared)
+
+
+def moe_router_route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    first: int,
+    count: int,
+    shared: bool = False,
+) -> tuple[Routes, torch.Tensor]:
+    """The routes and the router's logits (`moe_router.moe_router_route`): one Triton kernel on
+    CUDA for x and router in one half-precision dtype (for decode-sized T: the caller
+    decides)."""
+    module = router_reference
+    if (
+        use_triton(x, router_weight)
+        and x.dtype in _HALF
+        and router_weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and router_weight.stride(-1) == 1
+    ):
+        from ninfer.kernels import moe_router_triton as module
+    return module.moe_router_route(x, router_weight, num_experts, top_k, first, count, shared)
 
 
 def moe_combine(

@@ -64,7 +64,8 @@ def _x_dot_rows(
     """The dot products of one row of x (x_row points at it) with BLOCK_ROWS weight rows
     (w_rows: [BLOCK_ROWS, 1] pointers to their starts): fp32 sums over hidden, rounded to x's
     dtype as the linear's output is, so the gates see the reference's b and a up to the fp32
-    summation order. Every kernel taking b and a from x sums here, so all sum in one order."""
+    summation order. Every kernel taking b and a from x sums here, so all sum in one order
+    (the fused MoE router, `moe_router_triton`, sums its logits here too)."""
     acc = tl.zeros([BLOCK_ROWS, BLOCK_K], dtype=tl.float32)
     for start in tl.static_range(0, HIDDEN, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)

@@ -55,8 +55,8 @@ INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 INT_STAGES = 3
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
-# Products that split K share them, so they must not run at once on one device (the engine
-# runs its forward on one stream).
+# Products that split K and the fused router (`moe_router_triton`, a counter per token) share
+# them, so they must not run at once on one device (the engine runs its forward on one stream).
 TILE_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].
@@ -542,7 +542,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     splits = triton.cdiv(num_tiles, tiles_per_split)
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(m, block_m), splits)
     out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
-    counters = _tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
+    counters = tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
     partial = out
     if splits > 1:
         partial = torch.empty(splits, m, num_rows, dtype=torch.float32, device=x.device)
@@ -576,9 +576,10 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     return out
 
 
-def _tile_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed split-K counters, or None where there are too few or they would be
-    allocated inside a graph capture (then the splits' partials are summed by torch)."""
+def tile_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed arrival counters, or None where there are too few or they would be
+    allocated inside a graph capture (then the caller takes a path without them: here the
+    splits' partials are summed by torch)."""
     counters = _counters.get(device)
     if counters is None:
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

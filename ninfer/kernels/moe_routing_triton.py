@@ -6,7 +6,9 @@ at its rank among the chosen ids, so the choices come out in id order without a 
 Of equal probabilities the lowest expert id is taken, as torch.topk on CUDA does (its gather
 pass writes values equal to the k-th in index order). A NaN probability ranks above all others,
 as in torch.topk, so every id written is a valid expert. Where the shared expert is stacked
-with the routed ones, each program also writes its token's pair with it.
+with the routed ones, each program also writes its token's pair with it. The routing of a
+row is `route_token`, which the fused router and routing kernel (`moe_router_triton`) calls
+too, so the two cannot route differently.
 Reference: `moe_routing.moe_route` (same signature)."""
 
 from __future__ import annotations
@@ -25,28 +27,27 @@ ROUTE_WARPS = 1
 
 
 @triton.jit
-def _moe_route_kernel(
-    logits_ptr,
+def route_token(
+    logits,
+    token,
+    num_tokens,
+    num_experts,
     weights_ptr,
     experts_ptr,
     pair_tokens_ptr,
     pair_experts_ptr,
     pairs_ptr,
-    num_experts,
-    stride_logits,
     first,
     count,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     SHARED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
-    token = tl.program_id(0)
+    """Token `token`'s routing from its row of logits ([BLOCK_E] fp32, the first num_experts
+    live): its top-k weights and ids and its pairs, written where `moe_route` returns them.
+    Every kernel that routes calls this, so all route alike."""
     ids = tl.arange(0, BLOCK_E)
     live = ids < num_experts
-    row = logits_ptr + token.to(tl.int64) * stride_logits
-    logits = tl.load(row + ids, mask=live, other=float("-inf")).to(tl.float32)
     shifted = tl.exp(logits - tl.max(logits, axis=0))
     probs = tl.div_rn(shifted, tl.sum(shifted, axis=0))  # IEEE division, as torch's
     # probabilities lie in [0, 1]: -1 marks padding and taken experts, 2 ranks a NaN first
@@ -70,10 +71,61 @@ def _moe_route_kernel(
     )
     tl.store(pairs_ptr + pair, pair, mask=chosen)
     if SHARED:  # token t's pair with the shared expert, local id `count`, after all routed ones
-        shared_pair = tl.num_programs(0) * TOP_K + token
+        shared_pair = num_tokens * TOP_K + token
         tl.store(pair_tokens_ptr + shared_pair, token)
         tl.store(pair_experts_ptr + shared_pair, count)
         tl.store(pairs_ptr + shared_pair, shared_pair)
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    pair_tokens_ptr,
+    pair_experts_ptr,
+    pairs_ptr,
+    num_experts,
+    stride_logits,
+    first,
+    count,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SHARED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    await_inputs(PDL)
+    token = tl.program_id(0)
+    ids = tl.arange(0, BLOCK_E)
+    row = logits_ptr + token.to(tl.int64) * stride_logits
+    logits = tl.load(row + ids, mask=ids < num_experts, other=float("-inf")).to(tl.float32)
+    route_token(
+        logits,
+        token,
+        tl.num_programs(0),
+        num_experts,
+        weights_ptr,
+        experts_ptr,
+        pair_tokens_ptr,
+        pair_experts_ptr,
+        pairs_ptr,
+        first,
+        count,
+        TOP_K,
+        BLOCK_E,
+        SHARED,
+    )
+
+
+def empty_routes(
+    tokens: int, top_k: int, dtype: torch.dtype, device: torch.device, shared: bool
+) -> Routes:
+    """The outputs a routing kernel writes, allocated."""
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
+    experts = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    num_pairs = tokens * (top_k + 1 if shared else top_k)
+    pair_lists = torch.empty(3, num_pairs, dtype=torch.int32, device=device)
+    return Routes(weights, experts, *pair_lists.unbind(0))
 
 
 def moe_route(
@@ -87,20 +139,11 @@ def moe_route(
     """logits [T, E] with unit stride along E (rows may be strided, e.g. a view of a stacked
     router product)."""
     tokens, num_experts = logits.shape
-    device = logits.device
-    weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
-    experts = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
-    num_pairs = tokens * (top_k + 1 if shared else top_k)
-    pair_lists = torch.empty(3, num_pairs, dtype=torch.int32, device=device)
-    pair_tokens, pair_experts, pairs = pair_lists.unbind(0)
+    routes = empty_routes(tokens, top_k, dtype, logits.device, shared)
     if tokens:
         _moe_route_kernel[(tokens,)](
             logits,
-            weights,
-            experts,
-            pair_tokens,
-            pair_experts,
-            pairs,
+            *routes,
             num_experts,
             logits.stride(0),
             first,
@@ -111,4 +154,4 @@ def moe_route(
             num_warps=ROUTE_WARPS,
             **pdl_options(logits.device),
         )
-    return Routes(weights, experts, pair_tokens, pair_experts, pairs)
+    return routes

@@ -87,6 +87,7 @@ def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int
     for module in (moe, mlp):
         monkeypatch.setattr(module, "silu_mul", count.kernel("silu_mul", silu_mul_shape))
     monkeypatch.setattr(moe, "moe_route", count.kernel("route", moe.moe_route))
+    monkeypatch.setattr(moe, "moe_router_route", count.kernel("router_route", moe.moe_router_route))
     monkeypatch.setattr(moe, "moe_combine", count.kernel("combine", moe.moe_combine))
     x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
     with count:
@@ -96,13 +97,22 @@ def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_encoded_decode_step_launches_nine_kernels(monkeypatch, tokens):
-    """Stacked router product, routing, two grouped GEMVs and their activation, the shared
-    expert's two GEMVs and activation, the output: nine, for any decode batch."""
+def test_encoded_decode_step_launches_eight_kernels(monkeypatch, tokens):
+    """The stacked router's product with the routing, two grouped GEMVs and their activation,
+    the shared expert's two GEMVs and activation, the output: eight, for any decode batch."""
     block = moe_block(encoded=True)
     block.fuse_projections()
     assert decode_launches(block, tokens, monkeypatch) == {
-        "mm": 1, "route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
+        "router_route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
+    }  # fmt: skip
+
+
+def test_unstacked_router_decode_step_launches_the_product_and_the_routing(monkeypatch):
+    """Without the router stacked with the shared gate (no `fuse_projections`), its two
+    products and the routing run apart, as before."""
+    block = moe_block(encoded=True)
+    assert decode_launches(block, 1, monkeypatch) == {
+        "mm": 2, "route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
     }  # fmt: skip
 
 
@@ -137,17 +147,17 @@ def test_shared_expert_stays_apart_where_stored_otherwise():
     assert block.experts.gate_up_proj.shape[0] == NUM_EXPERTS
 
 
-def test_stacked_shared_expert_one_token_decode_step_launches_six_kernels(monkeypatch):
-    """Router, routing, two grouped GEMVs over the routed and shared pairs and their one
-    activation, the output."""
+def test_stacked_shared_expert_one_token_decode_step_launches_five_kernels(monkeypatch):
+    """Router product with the routing, two grouped GEMVs over the routed and shared pairs and
+    their one activation, the output."""
     block = moe_block(encoded=True)
     block.fuse_projections()
     assert block.stack_shared_expert()
     assert moe.SHARED_PAIRS_MAX_TOKENS == 1
     assert decode_launches(block, 1, monkeypatch) == {
-        "mm": 1, "route": 1, "grouped_gemv": 2, "silu_mul": 1, "combine": 1,
+        "router_route": 1, "grouped_gemv": 2, "silu_mul": 1, "combine": 1,
     }  # fmt: skip
     # over more tokens its rows take the GEMV of the stacked weights, as unstacked
     assert decode_launches(block, 8, monkeypatch) == {
-        "mm": 1, "route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
+        "router_route": 1, "grouped_gemv": 2, "silu_mul": 2, "gemv": 2, "combine": 1,
     }  # fmt: skip

@@ -12,12 +12,13 @@ experts, where the per-expert loop would launch a dequantization and products pe
 
 A decode step is launch-bound, so on CUDA the routing (softmax, top-k, renormalise, the pair
 lists) and the output (weighted choices, shared expert gate, sums) are one Triton kernel each
-(`moe_routing_triton`, `moe_combine_triton`); elsewhere their torch references run, which
-compute what the eager module always has, bit for bit. Where the shared expert is kept encoded
-like the routed ones, it is stacked after them at load (`SparseMoE.stack_shared_expert`) and a
-one-token decode step runs it as one more pair of the two grouped GEMVs: a block is six
-launches (router, routing, two grouped GEMVs and their activation, the output) instead of
-nine (`SHARED_PAIRS_MAX_TOKENS`)."""
+(`moe_routing_triton`, `moe_combine_triton`), and with the dense router stacked with the
+shared expert's gate, the router product and the routing are one (`moe_router_triton`);
+elsewhere their torch references run, which compute what the eager module always has, bit for
+bit. Where the shared expert is kept encoded like the routed ones, it is stacked after them at
+load (`SparseMoE.stack_shared_expert`) and a one-token decode step runs it as one more pair of
+the two grouped GEMVs: a block is five launches (router product and routing, two grouped GEMVs
+and their activation, the output) instead of eight (`SHARED_PAIRS_MAX_TOKENS`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from ninfer.kernels.dispatch import (
     groupwise_dequant,
     moe_combine,
     moe_route,
+    moe_router_route,
     silu_mul,
 )
 from ninfer.kernels.x_split import SplitRequest
@@ -472,19 +474,40 @@ class SparseMoE(nn.Module):
         del self.shared_expert
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def router_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed experts' logits [T, E], shared expert's gate logit [T, 1])."""
         if self.router is None:
-            logits, shared_gate = self.gate(x), self.shared_expert_gate(x)
-        else:
-            logits, shared_gate = self.router(x)
+            return self.gate(x), self.shared_expert_gate(x)
+        return self.router(x)
+
+    def fused_router_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The stacked router and shared-gate weight where the decode step computes the router
+        product and the routing in one kernel (`moe_router_route`): off the CPU, whose
+        reference path stays as it is, with the router dense in x's half-precision dtype."""
+        router = self.router
+        if router is None or x.device.type == "cpu" or type(router.linear) is not nn.Linear:
+            return None
+        weight = router.linear.weight
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        return weight if half and weight.dtype == x.dtype else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
         stacked = getattr(experts, "shared_local", None)
         tokens = x.shape[0]
         if isinstance(experts, GroupwiseExperts) and tokens <= GATHERED_MAX_TOKENS:
             in_pairs = stacked is not None and tokens <= SHARED_PAIRS_MAX_TOKENS
-            routes = moe_route(
-                logits, self.top_k, x.dtype, experts.first, experts.num_experts, in_pairs
-            )
+            first, count = experts.first, experts.num_experts
+            router_weight = self.fused_router_weight(x)
+            if router_weight is not None:
+                num_experts = self.router.split_sizes[0]
+                routes, logits = moe_router_route(
+                    x, router_weight, num_experts, self.top_k, first, count, in_pairs
+                )
+                shared_gate = logits[:, num_experts:]
+            else:
+                logits, shared_gate = self.router_logits(x)
+                routes = moe_route(logits, self.top_k, x.dtype, first, count, in_pairs)
             outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
             routed = tokens * self.top_k
             if in_pairs:
@@ -497,11 +520,12 @@ class SparseMoE(nn.Module):
                 outputs[:routed].view(tokens, self.top_k, x.shape[1]),
                 routes.weights,
                 routes.experts,
-                experts.first,
-                experts.num_experts,
+                first,
+                count,
                 shared,
                 shared_gate,
             )
+        logits, shared_gate = self.router_logits(x)
         routes = moe_route(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
         if stacked is not None:
             shared = experts.expert_mlp(stacked, x)

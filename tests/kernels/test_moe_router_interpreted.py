@@ -1,0 +1,89 @@
+"""The MoE router product and routing in one kernel (`moe_router_triton`), run by Triton's CPU
+interpreter on tiny shapes against F.linear and the routing reference, fp16 here
+(tests/triton_interpreter.py says why). `kernel_cases.check_moe_router_route` states what is
+compared: the logits within one rounding of F.linear's (the summation orders differ), the
+routes exactly those of the kernel's own logits, and the unfused path's experts away from
+near-ties. The last program of a token to arrive routes it and leaves its counter at zero, so
+a second call reuses the counters; without counters (none yet inside a graph capture) the
+product and the routing run as two launches."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import check_moe_router_route
+from triton_interpreter import load_kernel_module, require_interpreter
+
+from ninfer.kernels import moe_routing as routing_reference
+
+require_interpreter()
+
+DTYPE = torch.float16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def router():
+    torch.manual_seed(0)
+    return load_kernel_module("moe_router_triton")
+
+
+@pytest.fixture
+def counters():
+    """The arrival counters the kernel shares with the split-K GEMV."""
+    return importlib.import_module("ninfer.kernels.groupwise_gemv_triton")._counters
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["shared-gate-row", "router-only"])
+@pytest.mark.parametrize("shared", [False, True], ids=["routed-pairs", "shared-pairs"])
+@pytest.mark.parametrize("part", ["all", "ep-rank"])
+@pytest.mark.parametrize("hidden", [200, 600])  # one partial step of the dot product; two
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (40, 8), (64, 4)], ids=str)
+def test_router_route_matches_the_product_and_the_routing(
+    router, counters, num_experts, top_k, tokens, hidden, part, shared, stacked
+):
+    held = (0, num_experts) if part == "all" else (num_experts // 4, num_experts // 2)
+    check_moe_router_route(
+        router,
+        routing_reference.moe_route,
+        tokens,
+        num_experts,
+        top_k,
+        hidden,
+        stacked,
+        held,
+        shared,
+        DTYPE,
+        CPU,
+    )
+    assert not counters[CPU].any()
+
+
+def test_a_second_call_reuses_the_reset_counters(router, counters):
+    case = (routing_reference.moe_route, 3, 40, 8, 200, True, (0, 40), False, DTYPE, CPU)
+    check_moe_router_route(router, *case)
+    allocated = counters[CPU]
+    assert not allocated.any()
+    check_moe_router_route(router, *case)  # new inputs, the same counters
+    assert counters[CPU] is allocated and not allocated.any()
+
+
+def test_without_counters_the_product_and_the_routing_run_apart(router, counters, monkeypatch):
+    """No counters to be had (as for a first call inside a graph capture): F.linear's logits
+    routed by the routing kernel, exactly the unfused path."""
+    gemv = importlib.import_module("ninfer.kernels.groupwise_gemv_triton")
+    monkeypatch.setattr(gemv, "_counters", {})
+    monkeypatch.setattr(gemv, "TILE_COUNTERS", 0)
+    x = torch.randn(3, 200).to(DTYPE)
+    weight = (torch.randn(41, 200) * 200**-0.5).to(DTYPE)
+    routes, logits = router.moe_router_route(x, weight, 40, 8, 10, 20, True)
+    assert not gemv._counters
+    assert torch.equal(logits, F.linear(x, weight))
+    ref = routing_reference.moe_route(logits[:, :40], 8, DTYPE, 10, 20, True)
+    for name in ("experts", "pair_tokens", "pair_experts", "pairs"):
+        assert torch.equal(getattr(routes, name), getattr(ref, name)), name
+    torch.testing.assert_close(routes.weights, ref.weights, rtol=torch.finfo(DTYPE).eps, atol=0)
