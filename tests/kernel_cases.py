@@ -169,6 +169,77 @@ def check_gdn_recurrent_from_x(
     assert torch.equal(states[:2], spare)
 
 
+def check_gdn_output_norm_in_rule(
+    recurrent_module,
+    norm_module,
+    query_lens: list[int],
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device,
+    tol: float,
+    split_format: str | None = None,
+) -> None:
+    """The decode rule with the output norm applied in its kernel
+    (`recurrent_gated_delta_rule_from_x(..., norm)`) against the rule followed by
+    `norm_module.gated_rms_norm`: outputs, states and, with `split_format` and one token, the
+    attached integer-GEMV codes equal bit for bit (one norm helper, one split helper); within
+    `tol` of the torch reference. z is a strided view, as the slice of the fused in
+    projection is; the arrival counters are back at zero afterwards."""
+    from ninfer.kernels import groupwise_gemv_triton
+    from ninfer.kernels.x_split import INT_FORMATS, SplitRequest, attached
+
+    q, k, v, _, _, states, slots, query_start = gdn_inputs(
+        query_lens, num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0
+    )
+    tokens, width = q.shape[0], num_value_heads * value_dim
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    ba_weight = (torch.randn(2 * num_value_heads, hidden, device=device) * 2 * hidden**-0.5).to(
+        dtype
+    )
+    A_log = torch.randn(num_value_heads, device=device) * 0.5
+    dt_bias = torch.randn(num_value_heads, device=device) * 2
+    z = torch.randn(tokens, width + 24, device=device).to(dtype)[:, 8 : 8 + width]
+    z = z.view(tokens, num_value_heads, value_dim)
+    weight = (torch.randn(value_dim, device=device) + 1).to(dtype)
+    split = SplitRequest.for_format(split_format) if split_format else None
+    norm = gdn_reference.OutputNorm(z, weight, 1e-6, split)
+    rule = (x, ba_weight, A_log, dt_bias)
+    unfused_states, ref_states = states.clone(), states.clone()
+    out = recurrent_module.recurrent_gated_delta_rule_from_x(
+        q, k, v, *rule, states, slots, query_start, norm
+    )
+    assert out.dtype == v.dtype and out.shape == v.shape
+    unfused = norm_module.gated_rms_norm(
+        recurrent_module.recurrent_gated_delta_rule_from_x(
+            q, k, v, *rule, unfused_states, slots, query_start
+        ),
+        z,
+        weight,
+        1e-6,
+        split,
+    )
+    assert torch.equal(out, unfused), f"outputs {relative_error(out, unfused):.1e} apart"
+    assert torch.equal(states, unfused_states)
+    if split is not None and split.wanted(tokens, width):
+        bits, group = INT_FORMATS[split_format]
+        codes = attached(out.reshape(tokens, width), bits, group, width // group)
+        unfused_codes = attached(unfused.reshape(tokens, width), bits, group, width // group)
+        assert codes is not None and unfused_codes is not None
+        for name in ("codes", "corr", "steps") if bits == 4 else ("codes", "steps"):
+            assert torch.equal(getattr(codes, name), getattr(unfused_codes, name)), name
+    ref = gdn_reference.recurrent_gated_delta_rule_from_x(
+        q, k, v, *rule, ref_states, slots, query_start, norm
+    )
+    assert relative_error(out, ref) < tol
+    assert relative_error(states, ref_states) < tol
+    counters = groupwise_gemv_triton.tile_counters(torch.device(device), 1)
+    assert counters.count_nonzero() == 0
+
+
 def check_causal_conv1d(
     module,
     query_lens: list[int],
