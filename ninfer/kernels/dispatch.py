@@ -168,12 +168,10 @@ def recurrent_gated_delta_rule_from_x(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    norm: gdn_reference.OutputNorm | None = None,
 ) -> torch.Tensor:
     """The decode delta rule with the gates from the layer input x [T, hidden] and the stacked
     b|a weight [2Hv, hidden]: on CUDA one kernel computes b|a product, gates and recurrence
-    (for decode-sized T: the caller decides), and the output norm when given one; else
-    `gdn_gates_from_x`, the rule and the norm."""
+    (for decode-sized T: the caller decides), else `gdn_gates_from_x` and the rule."""
     if (
         use_triton(q, x, ba_weight, A_log, dt_bias, states)
         and x.dtype in _DENSE
@@ -184,10 +182,10 @@ def recurrent_gated_delta_rule_from_x(
         from ninfer.kernels import gdn_recurrent_triton
 
         return gdn_recurrent_triton.recurrent_gated_delta_rule_from_x(
-            q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start, norm
+            q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
         )
     return gdn_reference.recurrent_gated_delta_rule_from_x(
-        q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start, norm
+        q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
     )
 
 

@@ -20,19 +20,6 @@ ELEMENTS_PER_PROGRAM = 2048  # 16 rows of 128 per program: a 27B decode token is
 
 
 @triton.jit
-def gated_norm_rows(x, z, weight, dim, eps, dtype: tl.constexpr, ROUND_SCALED: tl.constexpr):
-    """The norm of rows x [R, BLOCK_D] (fp32 of x's values, zero past dim) gated by z (fp32),
-    weight [BLOCK_D] fp32: fp32 values to be stored in `dtype`, rounded as the reference
-    rounds (also the GDN decode kernel's epilogue, `gdn_recurrent_triton`)."""
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
-    normed = (x * inv_rms[:, None]).to(dtype).to(tl.float32)
-    scaled = weight[None, :] * normed
-    if ROUND_SCALED:
-        scaled = scaled.to(dtype).to(tl.float32)
-    return scaled * (z * tl.sigmoid(z))
-
-
-@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,
     z_ptr,
@@ -68,9 +55,14 @@ def _gated_rms_norm_kernel(
     dtype = out_ptr.dtype.element_ty
 
     x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+    normed = (x * inv_rms[:, None]).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    scaled = weight[None, :] * normed
+    if ROUND_SCALED:
+        scaled = scaled.to(dtype).to(tl.float32)
     z = tl.load(z_ptr + z_offsets, mask=mask, other=0.0).to(tl.float32)
-    out = gated_norm_rows(x, z, weight, dim, eps, dtype, ROUND_SCALED)
+    out = scaled * (z * tl.sigmoid(z))
     tl.store(out_ptr + row[:, None] * dim + cols[None, :], out.to(dtype), mask=mask)
     if SPLIT_BITS != 0:
         # The program's rows are BLOCK_ROWS heads of one token (the caller checks that they

@@ -6,31 +6,12 @@ Per value head, with an fp32 state S [dk, dv] carried in a state slot:
 q and k are L2-normalised inside (eps 1e-6 under the sqrt) and q is scaled by dk^-0.5.
 Key heads are shared by blocks of Hv / Hk value heads (value head j reads key head j // r).
 `recurrent_gated_delta_rule_from_x` takes g and beta from the layer input and the b|a weight
-(`gdn_gates.gdn_gates_from_x`), the form whose Triton kernel computes the gates itself, and
-optionally the layer's output norm (`OutputNorm`), which that kernel then applies too.
+(`gdn_gates.gdn_gates_from_x`), the form whose Triton kernel computes the gates itself.
 """
-
-from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from ninfer.kernels import gdn_gates
-from ninfer.kernels.gated_rms_norm import gated_rms_norm
-from ninfer.kernels.x_split import SplitRequest
-
-
-@dataclass(frozen=True)
-class OutputNorm:
-    """The GDN output norm applied to the rule's output o [T, Hv, dv]: per head,
-    `gated_rms_norm(o, z, weight, eps)` with z [T, Hv, dv]; `split` is the integer-GEMV codes
-    the out projection wants beside the result (`x_split`; the Triton kernel only)."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    split: SplitRequest | None = None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -88,13 +69,8 @@ def recurrent_gated_delta_rule_from_x(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    norm: OutputNorm | None = None,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule` with (g, beta) = `gdn_gates.gdn_gates_from_x(x, ba_weight,
-    A_log, dt_bias)`: x [T, hidden], ba_weight [2Hv, hidden] (b rows over a rows); with
-    `norm`, the output norm of its result."""
+    A_log, dt_bias)`: x [T, hidden], ba_weight [2Hv, hidden] (b rows over a rows)."""
     g, beta = gdn_gates.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
-    out = recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
-    if norm is None:
-        return out
-    return gated_rms_norm(out, norm.z, norm.weight, norm.eps)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)

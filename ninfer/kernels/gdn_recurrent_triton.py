@@ -13,14 +13,6 @@ calls), so a decode step launches no gates kernel before the conv. Each launch c
 microseconds of a latency-bound step; the dot products are repeated per column block, but
 two weight rows per head are little to read. Reference:
 `gdn_recurrent.recurrent_gated_delta_rule_from_x` (same signature).
-
-Given the layer's output norm (`gdn_recurrent.OutputNorm`), that form also applies it, with
-the integer-GEMV codes of its result when asked (`x_split`): the norm of a head needs all its
-dv columns, so each program counts itself done on its head's arrival counter (the split-K
-GEMV's, `groupwise_gemv_triton.tile_counters`) and the one that arrives last reads the head's
-output back from L2 and norms it with the standalone norm kernel's arithmetic
-(`gated_rms_norm_triton.gated_norm_rows`). That launch cost 3.1 us of a decode step per GDN
-layer; the epilogue costs the last program a round trip to L2.
 """
 
 from __future__ import annotations
@@ -29,19 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels import gated_rms_norm_triton
-from ninfer.kernels.gated_rms_norm_triton import gated_norm_rows
 from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
 from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
-from ninfer.kernels.gdn_recurrent import OutputNorm
-from ninfer.kernels.groupwise_gemv_triton import split_block, tile_counters
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
-from ninfer.kernels.x_split import attach, producer_buffers, split_launch_args
-
-# Widest column block and warps per program (decode_variants.py sweeps them).
-MAX_BLOCK_V = 64
-RECURRENT_WARPS = 4
 
 
 @triton.jit
@@ -59,13 +42,6 @@ def _recurrent_kernel(
     states_ptr,
     state_slots_ptr,
     query_start_ptr,
-    z_ptr,
-    norm_weight_ptr,
-    normed_ptr,
-    counters_ptr,
-    xq_ptr,
-    corr_ptr,
-    xscale_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -80,10 +56,7 @@ def _recurrent_kernel(
     stride_oh,
     stride_state_slot,
     stride_state_head,
-    stride_zt,
-    stride_zh,
     q_scale,
-    eps,
     key_dim,
     value_dim,
     num_value_heads,
@@ -93,12 +66,6 @@ def _recurrent_kernel(
     GATES_FROM_X: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
-    NORM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROUND_SCALED: tl.constexpr,
-    SPLIT_BITS: tl.constexpr,
-    SPLIT_GROUP: tl.constexpr,
-    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -159,51 +126,6 @@ def _recurrent_kernel(
             mask=col_mask,
         )
     tl.store(state_ptrs, state, mask=tile_mask)
-    if NORM:
-        tl.debug_barrier()  # every thread's output columns are stored before the arrival counts
-        counter = counters_ptr + seq * num_value_heads + value_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            tl.atomic_xchg(counter, 0)
-            dtype = out_ptr.dtype.element_ty
-            dims = tl.arange(0, BLOCK_D)
-            dim_mask = dims < value_dim
-            norm_weight = tl.load(norm_weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
-            width = num_value_heads * value_dim
-            for t in range(begin, end):
-                # .cg reads from L2, where the head's other programs stored their columns
-                o = tl.load(
-                    out_ptr + t * stride_ot + value_head * stride_oh + dims,
-                    mask=dim_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                ).to(tl.float32)
-                z = tl.load(
-                    z_ptr + t * stride_zt + value_head * stride_zh + dims, mask=dim_mask, other=0.0
-                ).to(tl.float32)
-                y = gated_norm_rows(
-                    o[None, :], z[None, :], norm_weight, value_dim, eps, dtype, ROUND_SCALED
-                )
-                normed_row = normed_ptr + t * width
-                tl.store(
-                    normed_row + value_head * value_dim + dims[None, :],
-                    y.to(dtype),
-                    mask=dim_mask[None, :],
-                )
-                if SPLIT_BITS != 0:
-                    # the head's columns are whole groups of the row (the caller checks)
-                    split_block(
-                        normed_row,
-                        width,
-                        value_head,
-                        t,
-                        xq_ptr,
-                        corr_ptr,
-                        xscale_ptr,
-                        BLOCK_D,
-                        SPLIT_BITS,
-                        SPLIT_GROUP,
-                        SPLIT_BLOCK_G,
-                    )
 
 
 def recurrent_gated_delta_rule(
@@ -235,13 +157,10 @@ def recurrent_gated_delta_rule_from_x(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    norm: OutputNorm | None = None,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule` with g and beta those `gdn_gates_triton.gdn_gates_from_x`
     computes from x [T, hidden] and ba_weight [2Hv, hidden] (b rows over a rows), of x's dtype
-    with unit stride along hidden. Meant for decode-sized T, as that kernel is. With `norm`,
-    returns the output norm of the result [T, Hv, dv], with its x split attached when
-    `norm.split` asks for one."""
+    with unit stride along hidden. Meant for decode-sized T, as that kernel is."""
     hidden = x.shape[1]
     if tuple(ba_weight.shape) != (2 * v.shape[1], hidden):
         raise ValueError(
@@ -263,7 +182,6 @@ def recurrent_gated_delta_rule_from_x(
         ba_weight=ba_weight,
         A_log=A_log,
         dt_bias=dt_bias,
-        norm=norm,
     )
 
 
@@ -280,12 +198,9 @@ def _launch(
     ba_weight: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
-    norm: OutputNorm | None = None,
 ) -> torch.Tensor:
     """The kernel with the gates given (g, beta) or computed from x (x, ba_weight, A_log,
-    dt_bias), the other set None; with `norm`, the output norm of its result. Where the
-    arrival counters are missing (first allocated inside a graph capture) the norm runs as
-    its own kernel."""
+    dt_bias); the other set None."""
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     key_dim = q.shape[2]
     if states.dtype != torch.float32 or states.stride(3) != 1 or states.stride(2) != value_dim:
@@ -297,29 +212,8 @@ def _launch(
     num_seqs = state_slots.shape[0]
     if num_seqs == 0 or v.shape[0] == 0:
         return out
-    counters = None
-    if norm is not None:
-        if tuple(norm.z.shape) != tuple(v.shape) or norm.z.stride(2) != 1:
-            raise ValueError(f"gate z {tuple(norm.z.shape)} does not match v {tuple(v.shape)}")
-        counters = tile_counters(v.device, num_seqs * num_value_heads)
-        if counters is None:
-            rule = (g, beta, x, ba_weight, A_log, dt_bias)
-            out = _launch(q, k, v, states, state_slots, query_start, *rule)
-            return gated_rms_norm_triton.gated_rms_norm(
-                out, norm.z, norm.weight, norm.eps, norm.split
-            )
-    normed, buffers, block_d = out, None, next_power_of_2(value_dim)
-    if counters is not None:
-        normed = torch.empty_like(out)
-        if block_d == value_dim:
-            buffers = producer_buffers(
-                norm.split, v.shape[0], num_value_heads * value_dim, v.device, value_dim
-            )
-    split_args, split_constants = split_launch_args(
-        norm.split if norm is not None else None, buffers, out, value_dim
-    )
     # Narrow column blocks when few sequences, so that the grid still covers the SMs.
-    block_v = min(next_power_of_2(value_dim), MAX_BLOCK_V)
+    block_v = min(next_power_of_2(value_dim), 64)
     while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(v.device):
         block_v //= 2
     from_x = x is not None
@@ -338,11 +232,6 @@ def _launch(
         states,
         state_slots,
         query_start,
-        norm.z if counters is not None else out,
-        norm.weight if counters is not None else out,
-        normed,
-        counters if counters is not None else out,
-        *split_args,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -357,10 +246,7 @@ def _launch(
         out.stride(1),
         states.stride(0),
         states.stride(1),
-        norm.z.stride(0) if counters is not None else 0,
-        norm.z.stride(1) if counters is not None else 0,
         key_dim**-0.5,
-        norm.eps if counters is not None else 0.0,
         key_dim,
         value_dim,
         num_value_heads,
@@ -370,13 +256,7 @@ def _launch(
         GATES_FROM_X=from_x,
         HIDDEN=x.shape[1] if from_x else 0,
         BLOCK_HIDDEN=HIDDEN_BLOCK,
-        NORM=counters is not None,
-        BLOCK_D=block_d,
-        ROUND_SCALED=norm is None or torch.promote_types(norm.weight.dtype, v.dtype) == v.dtype,
-        **split_constants,
-        num_warps=RECURRENT_WARPS,
+        num_warps=4,
         **pdl_options(q.device),
     )
-    if buffers is not None:
-        attach(normed, norm.split, buffers)
-    return normed
+    return out

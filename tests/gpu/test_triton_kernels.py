@@ -10,7 +10,6 @@ import torch
 from kernel_cases import (
     check_causal_conv1d,
     check_gated_rms_norm,
-    check_gdn_output_norm_in_rule,
     check_gdn_recurrent,
     check_gdn_recurrent_from_x,
     check_groupwise_dequant,
@@ -93,39 +92,6 @@ def test_gdn_recurrent_with_the_gates_inside(query_lens, num_value_heads, hidden
         BF16,
         "cuda",
         1e-2,
-    )
-
-
-@pytest.mark.parametrize(
-    ("query_lens", "split_format"),
-    [([1], "q4_g64_fp16"), ([1], "q8_g32_fp16"), ([1] * 8, "q4_g64_fp16"), ([2, 1, 3], None)],
-    ids=["1-q4", "1-q8", "8", "2-1-3"],
-)
-@pytest.mark.parametrize(
-    ("num_value_heads", "hidden"), [(48, 5120), (32, 2048)], ids=["27b", "35b-a3b"]
-)
-def test_gdn_recurrent_with_the_output_norm_inside(
-    query_lens, split_format, num_value_heads, hidden
-):
-    """bf16 at the model shapes: the norm applied by the head's last program is bit for bit
-    the rule followed by the norm kernel (one norm helper over the head's 128 values, one split
-    helper), including the codes of one token; at one sequence a head spans several column
-    blocks, so the norm waits on the arrival counter."""
-    from ninfer.kernels import gated_rms_norm_triton, gdn_recurrent_triton
-
-    check_gdn_output_norm_in_rule(
-        gdn_recurrent_triton,
-        gated_rms_norm_triton,
-        query_lens,
-        16,
-        num_value_heads,
-        128,
-        128,
-        hidden,
-        BF16,
-        "cuda",
-        1e-2,
-        split_format,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import check_gdn_output_norm_in_rule, check_gdn_recurrent_from_x
+from kernel_cases import check_gdn_recurrent_from_x
 from triton_interpreter import load_kernel_module, require_interpreter
 
 require_interpreter()
@@ -44,35 +44,4 @@ def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
         dtype,
         "cpu",
         tol,
-    )
-
-
-@pytest.mark.parametrize(
-    ("query_lens", "split_format"),
-    [([1], "q4_g64_fp16"), ([1], "q8_g32_fp16"), ([1], None), ([1, 1, 1], "q4_g64_fp16"),
-     ([1, 2, 1], None)],
-    ids=["1-q4", "1-q8", "1", "3", "3-verify"],
-)  # fmt: skip
-@pytest.mark.parametrize(
-    ("dtype", "tol"),
-    [pytest.param(torch.float16, 2e-3, id="fp16"), pytest.param(torch.float32, 1e-5, id="fp32")],
-)
-def test_output_norm_inside_the_rule_gives_the_norm_kernel_bit_for_bit(
-    interpreted, query_lens, split_format, dtype, tol
-):
-    """One sequence: two column blocks per head, so the norm waits for the head's last
-    program; three: one block per head. The codes are written for one token only."""
-    check_gdn_output_norm_in_rule(
-        interpreted("gdn_recurrent_triton"),
-        interpreted("gated_rms_norm_triton"),
-        query_lens,
-        2,
-        4,
-        16,
-        64,
-        300,
-        dtype,
-        "cpu",
-        tol,
-        split_format,
     )

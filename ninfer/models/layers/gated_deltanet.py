@@ -3,8 +3,8 @@ gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
 in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
 the GPU a decode step then computes the b|a product and the gates inside the recurrent
-kernel (one launch for product, gates, rule and output norm), and a small prefill inside
-the gates kernel."""
+kernel (one launch for product, gates and rule), and a small prefill inside the gates
+kernel."""
 
 import torch
 from torch import nn
@@ -17,7 +17,6 @@ from ninfer.kernels.dispatch import (
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_from_x,
 )
-from ninfer.kernels.gdn_recurrent import OutputNorm
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.linear import FusedLinear, fuse_into
 from ninfer.models.layers.norms import GatedRMSNorm
@@ -123,12 +122,8 @@ class GatedDeltaNet(nn.Module):
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
 
         states = ctx.cache.gdn_state[self.cache_index]
-        z = z.view(tokens, self.num_value_heads, self.value_head_dim)
         if ba_weight is not None:
-            # the output norm is applied by the same kernel; `normed` holds its x split alive
-            # while out_proj reads the reshape (kernels/x_split.py)
-            norm = OutputNorm(z, self.norm.weight, self.norm.eps, self.norm.split_request)
-            normed = recurrent_gated_delta_rule_from_x(
+            out = recurrent_gated_delta_rule_from_x(
                 query,
                 key,
                 value,
@@ -139,12 +134,12 @@ class GatedDeltaNet(nn.Module):
                 states,
                 ctx.state_slots,
                 ctx.query_start,
-                norm,
             )
         else:
             rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
             out = rule(query, key, value, g, beta, states, ctx.state_slots, ctx.query_start)
-            # `normed` holds the norm's output (and so its x split, kernels/x_split.py) alive
-            # while out_proj reads the reshape: under inference mode a view keeps no base
-            normed = self.norm(out, z)
+        z = z.view(tokens, self.num_value_heads, self.value_head_dim)
+        # `normed` holds the norm's output (and so its x split, kernels/x_split.py) alive
+        # while out_proj reads the reshape: under inference mode a view keeps no base
+        normed = self.norm(out, z)
         return self.out_proj(normed.reshape(tokens, self.value_dim))
