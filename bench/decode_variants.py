@@ -3,6 +3,9 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
 
 - the warps of the one-token norm (`rms_norm_triton`) and routing (`moe_routing_triton`)
   programs, which are latency and not bandwidth (docs/performance.md, Measurement 8);
+- the column block and warps of the GDN decode kernel (`gdn_recurrent_triton`, b|a product
+  and gates inside) at one token, beside the one-token cost of the small kernels around it
+  (gated norm, conv, SwiGLU) that folding into a neighbour would save (Measurement 9);
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
@@ -19,7 +22,15 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from ninfer.bench.ceilings import copy_bandwidth
-from ninfer.kernels import groupwise_gemv_triton, moe_routing_triton, rms_norm_triton
+from ninfer.kernels import (
+    causal_conv1d_triton,
+    gated_rms_norm_triton,
+    gdn_recurrent_triton,
+    groupwise_gemv_triton,
+    moe_routing_triton,
+    rms_norm_triton,
+    swiglu_triton,
+)
 from ninfer.kernels.x_split import SplitRequest
 from ninfer.quant import get_format
 
@@ -70,6 +81,58 @@ def norm_and_routing_warps() -> None:
     moe_routing_triton.ROUTE_WARPS = default_warps
 
 
+def gdn_decode_kernels() -> None:
+    """One token at the 27B (48 value heads, hidden 5120, MLP 17408) and 35B-A3B (32, 2048,
+    shared expert 512) shapes, 16 key heads, dk = dv = 128."""
+    print(f"{'one-token GDN-layer kernel':48} {'us':>7}")
+    for shape in (("27B", 5120, 48, 17408), ("35B-A3B", 2048, 32, 512)):
+        _gdn_decode_kernels_at(*shape)
+
+
+def _gdn_decode_kernels_at(name: str, hidden: int, value_heads: int, mlp: int) -> None:
+    dim, key_heads = 128, 16
+    split = SplitRequest.for_format("q4_g64_fp16")
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEVICE) * scale).to(BF16)
+
+    slots = torch.tensor([3], device=DEVICE, dtype=torch.int32)
+    query_start = torch.tensor([0, 1], device=DEVICE, dtype=torch.int32)
+    q, k, v = randn(1, key_heads, dim), randn(1, key_heads, dim), randn(1, value_heads, dim)
+    x, ba_weight = randn(1, hidden), randn(2 * value_heads, hidden, scale=0.02)
+    A_log = torch.randn(value_heads, device=DEVICE)
+    dt_bias = torch.randn(value_heads, device=DEVICE)
+    states = torch.randn(8, value_heads, dim, dim, device=DEVICE) * 0.1
+
+    def rule():
+        gdn_recurrent_triton.recurrent_gated_delta_rule_from_x(
+            q, k, v, x, ba_weight, A_log, dt_bias, states, slots, query_start
+        )
+
+    print(f"{f'{name} recurrent + gates, as chosen':48} {median_us(rule):7.2f}")
+    defaults = gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS
+    sms = gdn_recurrent_triton.num_sms
+    gdn_recurrent_triton.num_sms = lambda device: 1  # the block as set, never narrowed
+    for block_v, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16)):
+        gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS = block_v, warps
+        us = median_us(rule)
+        print(f"{f'{name} recurrent + gates, block {block_v}, {warps} warps':48} {us:7.2f}")
+    gdn_recurrent_triton.num_sms = sms
+    gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS = defaults
+    out, z, weight = randn(1, value_heads, dim), randn(1, value_heads, dim), randn(dim)
+    us = median_us(lambda: gated_rms_norm_triton.gated_rms_norm(out, z, weight, 1e-6, split))
+    print(f"{f'{name} gated norm + split':48} {us:7.2f}")
+    channels = (2 * key_heads + value_heads) * dim
+    mixed, taps, windows = randn(1, channels), randn(channels, 4), randn(8, channels, 3)
+    us = median_us(
+        lambda: causal_conv1d_triton.causal_conv1d(mixed, taps, windows, slots, query_start)
+    )
+    print(f"{f'{name} causal conv, {channels} channels':48} {us:7.2f}")
+    gate, up = randn(1, 2 * mlp).chunk(2, dim=-1)
+    us = median_us(lambda: swiglu_triton.silu_mul(gate, up, split))
+    print(f"{f'{name} SwiGLU + split, {mlp} wide':48} {us:7.2f}")
+
+
 def int4pack(encoded, inner_k_tiles: int):
     """Our q4_g64 planes in the int4pack form: the same codes (value 2j in the high nibble,
     stored as code + 8), bf16 scales, zero points 0."""
@@ -112,9 +175,10 @@ def int4pack_against_ours() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--skip-int4pack", action="store_true", help="only the warp sweeps")
+    parser.add_argument("--skip-int4pack", action="store_true", help="only the one-token sweeps")
     args = parser.parse_args()
     norm_and_routing_warps()
+    gdn_decode_kernels()
     if not args.skip_int4pack:
         int4pack_against_ours()
 

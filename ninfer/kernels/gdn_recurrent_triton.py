@@ -26,6 +26,11 @@ from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
+# Widest column block and warps per program: the fastest at one token at the 27B and 35B-A3B
+# shapes on the GPU machine (bench/decode_variants.py sweeps them, docs/performance.md).
+MAX_BLOCK_V = 64
+RECURRENT_WARPS = 4
+
 
 @triton.jit
 def _recurrent_kernel(
@@ -213,7 +218,7 @@ def _launch(
     if num_seqs == 0 or v.shape[0] == 0:
         return out
     # Narrow column blocks when few sequences, so that the grid still covers the SMs.
-    block_v = min(next_power_of_2(value_dim), 64)
+    block_v = min(next_power_of_2(value_dim), MAX_BLOCK_V)
     while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(v.device):
         block_v //= 2
     from_x = x is not None
@@ -256,7 +261,7 @@ def _launch(
         GATES_FROM_X=from_x,
         HIDDEN=x.shape[1] if from_x else 0,
         BLOCK_HIDDEN=HIDDEN_BLOCK,
-        num_warps=4,
+        num_warps=RECURRENT_WARPS,
         **pdl_options(q.device),
     )
     return out
