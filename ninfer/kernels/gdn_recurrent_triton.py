@@ -26,8 +26,9 @@ from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
-# Widest column block and warps per program: the fastest at one token at the 27B and 35B-A3B
-# shapes on the GPU machine (bench/decode_variants.py sweeps them, docs/performance.md).
+# Widest column block and warps per program. With the narrowing below, within 3 % of the
+# fastest setting swept at one token at the 27B and 35B-A3B shapes on the GPU machine
+# (bench/decode_variants.py, docs/performance.md Measurement 9).
 MAX_BLOCK_V = 64
 RECURRENT_WARPS = 4
 
