@@ -19,6 +19,7 @@ import argparse
 import math
 
 import torch
+from decode_kernels import rotating  # this folder: the scripts run as `python bench/...`
 from triton.testing import do_bench_cudagraph
 
 from ninfer.bench.ceilings import copy_bandwidth
@@ -43,16 +44,6 @@ GEMV_SHAPES = ((34816, 5120), (5120, 17408), (5120, 6144), (16384, 5120))
 
 def median_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
-
-
-def rotating(calls):
-    state = {"i": 0}
-
-    def run():
-        calls[state["i"] % len(calls)]()
-        state["i"] += 1
-
-    return run
 
 
 def norm_and_routing_warps() -> None:
