@@ -174,12 +174,14 @@ def _groupwise_gemv_kernel(
 
 
 # Four q4 bytes (one 32-bit register) to four bf16 pairs (values 2j, 2j + 1 of byte j), each
-# code * scale rounded once to bf16, two values per instruction. 0x4300 | n is the bf16 of
-# 128 + n, so one fma with (1, -136) gives the code n - 8 exactly; the fp16 scale is the sum of
-# two bf16 parts hi + lo (lo has at most three significant bits), so code * lo is exact and
-# fma(code, hi, code * lo) rounds code * scale once, as the fp32 product's rounding to bf16
-# does. Operands: $0-$3 out, $4 the bytes, $5-$8 the hi parts and $9-$12 the lo parts, each
-# part in both halves of its register.
+# code * scale rounded once to bf16, two values per instruction. A nibble n holds its code in
+# two's complement, so n ^ 8 = code + 8, and 0x4300 | (n ^ 8) = (n & 0xF) ^ 0x4308 (one lop3)
+# is the bf16 of 136 + code; one fma with (1, -136) then gives the code exactly. The fp16 scale
+# is the sum of two bf16 parts hi + lo (lo has at most three significant bits), so code * lo
+# is exact and fma(code, hi, code * lo) rounds code * scale once, as the fp32 product's
+# rounding to bf16 does. Operands: $0-$3 out, $4 the bytes, $5-$8 the hi parts and $9-$12 the
+# lo parts, each part in both halves of its register. tests/quant/test_packed_dequant_math.py
+# runs this text through an emulator of its five instructions.
 _BF16_PAIRS_PTX = tl.constexpr(
     """{
 .reg .b32 w4, x, t, c, r, one, m136, nz;
@@ -188,22 +190,22 @@ mov.b32 m136, 0xC308C308;
 mov.b32 nz, 0x80008000;
 shr.b32 w4, $4, 4;
 prmt.b32 x, $4, w4, 0x4400;
-lop3.b32 t, x, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
 fma.rn.bf16x2 c, t, one, m136;
 fma.rn.bf16x2 r, c, $9, nz;
 fma.rn.bf16x2 $0, c, $5, r;
 prmt.b32 x, $4, w4, 0x5511;
-lop3.b32 t, x, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
 fma.rn.bf16x2 c, t, one, m136;
 fma.rn.bf16x2 r, c, $10, nz;
 fma.rn.bf16x2 $1, c, $6, r;
 prmt.b32 x, $4, w4, 0x6622;
-lop3.b32 t, x, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
 fma.rn.bf16x2 c, t, one, m136;
 fma.rn.bf16x2 r, c, $11, nz;
 fma.rn.bf16x2 $2, c, $7, r;
 prmt.b32 x, $4, w4, 0x7733;
-lop3.b32 t, x, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
 fma.rn.bf16x2 c, t, one, m136;
 fma.rn.bf16x2 r, c, $12, nz;
 fma.rn.bf16x2 $3, c, $8, r;
@@ -215,7 +217,9 @@ fma.rn.bf16x2 $3, c, $8, r;
 def _bf16_pairs(raw, scale):
     """q4 bytes [R, G, B] and their groups' fp32 scales (of fp16 values) [R, G, 1]: the bf16
     values [R, G, B, 2], `EncodedTensor.decode`'s bit for bit (byte j's low nibble is value
-    2j, its high nibble value 2j + 1), through `_BF16_PAIRS_PTX` four bytes at a time."""
+    2j, its high nibble value 2j + 1), through `_BF16_PAIRS_PTX` four bytes at a time. Except
+    the sign of a zero: code 0 may give +0 where the reference gives -0 (a negative scale).
+    The product cannot tell: its sums start at +0, and +0 + -0 = +0."""
     hi = scale.to(tl.bfloat16)
     lo = (scale - hi.to(tl.float32)).to(tl.bfloat16)
     hi_bits = hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
