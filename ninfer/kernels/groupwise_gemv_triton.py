@@ -70,6 +70,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # machine (bench/decode_kernels.md).
 TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
 TC_PROGRAMS_PER_SM = 4
+# q4 tiles for bf16 x dequantized two values per instruction (`_bf16_pairs`, inline PTX for
+# sm_90; the interpreter runs the fp32 form): compiled for sm_90, the loop's instructions fall
+# by about a quarter (bench/decode_kernels.md), and the products are the same bit for bit.
+TC_PACKED_DEQUANT = True
 
 
 @triton.jit
@@ -95,6 +99,7 @@ def _groupwise_gemv_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PACKED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
@@ -125,22 +130,26 @@ def _groupwise_gemv_kernel(
         groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
         live = groups < num_groups
         byte_cols = groups[:, None] * group_bytes + in_group[None, :]
-        packed = tl.load(
+        raw = tl.load(
             code_rows + byte_cols[None, :, :],
             mask=row_mask[:, None, None] & live[None, :, None],
             other=0,
-        ).to(tl.int32)
+        )
+        packed = raw.to(tl.int32)
         scale = tl.load(
             scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
         ).to(tl.float32)[:, :, None]
-        if BITS == 8:
-            w = packed.to(tl.float32) * scale
+        if PACKED:
+            w = tl.reshape(_bf16_pairs(raw, scale), [BLOCK_N, BLOCK_K])
         else:
-            # the low nibble of byte j is value 2j, the high nibble value 2j + 1
-            low = (((packed & 15) ^ 8) - 8).to(tl.float32) * scale
-            high = (((packed >> 4) ^ 8) - 8).to(tl.float32) * scale
-            w = tl.join(low, high)
-        w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
+            if BITS == 8:
+                w = packed.to(tl.float32) * scale
+            else:
+                # the low nibble of byte j is value 2j, the high nibble value 2j + 1
+                low = (((packed & 15) ^ 8) - 8).to(tl.float32) * scale
+                high = (((packed >> 4) ^ 8) - 8).to(tl.float32) * scale
+                w = tl.join(low, high)
+            w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :], other=0.0)
         acc = tl.dot(xs, tl.trans(w), acc)
@@ -162,6 +171,72 @@ def _groupwise_gemv_kernel(
             tl.atomic_xchg(counter, 0)
     else:  # the result, or (split-K without counters) this split's partial
         tl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Four q4 bytes (one 32-bit register) to four bf16 pairs (values 2j, 2j + 1 of byte j), each
+# code * scale rounded once to bf16, two values per instruction. A nibble n holds its code in
+# two's complement, so n ^ 8 = code + 8, and 0x4300 | (n ^ 8) = (n & 0xF) ^ 0x4308 (one lop3)
+# is the bf16 of 136 + code; one fma with (1, -136) then gives the code exactly. The fp16 scale
+# is the sum of two bf16 parts hi + lo (lo has at most three significant bits), so code * lo
+# is exact and fma(code, hi, code * lo) rounds code * scale once, as the fp32 product's
+# rounding to bf16 does. Operands: $0-$3 out, $4 the bytes, $5-$8 the hi parts and $9-$12 the
+# lo parts, each part in both halves of its register. tests/quant/test_packed_dequant_math.py
+# runs this text through an emulator of its five instructions.
+_BF16_PAIRS_PTX = tl.constexpr(
+    """{
+.reg .b32 w4, x, t, c, r, one, m136, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 m136, 0xC308C308;
+mov.b32 nz, 0x80008000;
+shr.b32 w4, $4, 4;
+prmt.b32 x, $4, w4, 0x4400;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 c, t, one, m136;
+fma.rn.bf16x2 r, c, $9, nz;
+fma.rn.bf16x2 $0, c, $5, r;
+prmt.b32 x, $4, w4, 0x5511;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 c, t, one, m136;
+fma.rn.bf16x2 r, c, $10, nz;
+fma.rn.bf16x2 $1, c, $6, r;
+prmt.b32 x, $4, w4, 0x6622;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 c, t, one, m136;
+fma.rn.bf16x2 r, c, $11, nz;
+fma.rn.bf16x2 $2, c, $7, r;
+prmt.b32 x, $4, w4, 0x7733;
+lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
+fma.rn.bf16x2 c, t, one, m136;
+fma.rn.bf16x2 r, c, $12, nz;
+fma.rn.bf16x2 $3, c, $8, r;
+}"""
+)
+
+
+@triton.jit
+def _bf16_pairs(raw, scale):
+    """q4 bytes [R, G, B] and their groups' fp32 scales (of fp16 values) [R, G, 1]: the bf16
+    values [R, G, B, 2], `EncodedTensor.decode`'s bit for bit (byte j's low nibble is value
+    2j, its high nibble value 2j + 1), through `_BF16_PAIRS_PTX` four bytes at a time. Except
+    the sign of a zero: code 0 may give +0 where the reference gives -0 (a negative scale).
+    The product cannot tell: its sums start at +0, and +0 + -0 = +0."""
+    hi = scale.to(tl.bfloat16)
+    lo = (scale - hi.to(tl.float32)).to(tl.bfloat16)
+    hi_bits = hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    lo_bits = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_pair = tl.broadcast_to(hi_bits | (hi_bits << 16), raw.shape)
+    lo_pair = tl.broadcast_to(lo_bits | (lo_bits << 16), raw.shape)
+    pairs = tl.inline_asm_elementwise(
+        _BF16_PAIRS_PTX,
+        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        [raw, hi_pair, lo_pair],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=4,
+    )
+    low = (pairs & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, high)
 
 
 @triton.jit
@@ -568,6 +643,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         BLOCK_N=block_n,
         STAGES=stages,
         SPLIT_K=counters is not None,
+        PACKED=bits == 4 and x.dtype == torch.bfloat16 and TC_PACKED_DEQUANT and not INTERPRETED,
         num_warps=warps,
         **pdl_options(x.device),
     )

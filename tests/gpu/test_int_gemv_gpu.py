@@ -50,3 +50,28 @@ def test_encoding_on_the_gpu_gives_the_cpu_planes(format_name):
     for name, plane in on_gpu.planes.items():
         assert plane.device.type == "cuda", name
         assert torch.equal(plane.cpu(), on_cpu.planes[name]), name
+
+
+@pytest.mark.parametrize("m", [2, 5, 8, 16])
+@pytest.mark.parametrize(
+    ("n", "k"), [(34816, 5120), (5120, 17408), (5120, 6144), (96, 5120)], ids=str
+)
+def test_packed_dequantization_gives_the_fp32_form_bit_for_bit(monkeypatch, n, k, m):
+    """The q4 tensor-core GEMV with its tiles dequantized two values per instruction (inline
+    PTX) gives exactly what it gives with the fp32 form: the same bf16 tiles, so the same
+    products. Scales spread over several binades, zero codes and negative scales included."""
+    from ninfer.kernels import groupwise_gemv_triton
+    from ninfer.quant import get_format
+
+    torch.manual_seed(n + m)
+    weight = torch.randn(n, k, device="cuda") * torch.logspace(-4, 1, n, device="cuda")[:, None]
+    weight[:, :64] = 0.0
+    encoded = get_format("q4_g64_fp16").encode(weight)
+    encoded.planes["scales"][1::7] *= -1  # decode is code * scale whatever the sign
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert groupwise_gemv_triton.TC_PACKED_DEQUANT
+    packed = groupwise_gemv_triton.groupwise_linear(x, encoded)
+    monkeypatch.setattr(groupwise_gemv_triton, "TC_PACKED_DEQUANT", False)
+    assert torch.equal(packed, groupwise_gemv_triton.groupwise_linear(x, encoded))
+    dense = encoded.decode(torch.bfloat16)
+    torch.testing.assert_close(packed.float(), x.float() @ dense.float().T, rtol=2e-2, atol=2e-2)
