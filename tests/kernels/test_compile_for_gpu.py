@@ -1,0 +1,27 @@
+"""Every Triton kernel compiles for sm_90 (`tools/gpu/compile_check.py`): the interpreted tests
+never compile one, so without this a kernel Triton cannot lower fails first on a GPU. Run in a
+process of its own, because this one interprets the kernels (TRITON_INTERPRET, conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "compile_check.py"
+
+
+def test_every_kernel_compiles_for_sm90():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(TOOL)], env=env, capture_output=True, text=True, timeout=900
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    cases = [line for line in lines[1:] if line.strip()]
+    assert len(cases) >= 20 and all(line.startswith("ok ") for line in cases), result.stdout

@@ -1,0 +1,236 @@
+"""Compile ninfer's Triton kernels for the GPU on a machine without one.
+
+Triton's interpreter, which the CPU tests run the kernels in, never compiles them, so a kernel
+that Triton cannot lower for the GPU (or that only the GPU machine's Triton version rejects)
+fails first on the GPU machine, after the device time to get there is spent. This runs the
+kernel cases of tests/kernel_cases.py on CPU tensors at the model shapes, through the kernels'
+own Python wrappers, with every launch turned into a compile for sm_90 (front end, layouts,
+ptxas) that launches nothing; the cases' result checks then fail on the unwritten outputs and
+are ignored. Programmatic dependent launch is on, as on an H100/H200.
+
+    python tools/gpu/compile_check.py [--capability 90] [-k NAME]
+
+With the GPU machine's Triton installed beside the usual one
+(`pip install --no-deps --target /tmp/triton-gpu triton==3.6.0`), run it with
+`PYTHONPATH=/tmp/triton-gpu`. Prints a line per case and exits 1 if any kernel did not
+compile."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_check: unset TRITON_INTERPRET (kernels must be compiled, not interpreted)")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver, jit  # noqa: E402
+
+import ninfer.kernels  # noqa: E402
+
+BF16 = torch.bfloat16
+SMS = 132  # an H100/H200: the wrappers size grids and blocks by it
+
+
+class KernelDidNotCompile(Exception):
+    pass
+
+
+class CompileOnlyDriver:
+    """The driver Triton asks for a target, a device and a stream: a GPU of the given compute
+    capability that is never launched on."""
+
+    def __init__(self, capability: int) -> None:
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+@contextmanager
+def compile_only(compiled: list[str]):
+    """Every `kernel[grid](...)` compiles (warm-up) instead of launching, for the target of the
+    active driver (`CompileOnlyDriver`); the ninfer kernel modules see a GPU with PDL and SMS
+    multiprocessors."""
+    real_run = jit.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        try:
+            kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as error:  # a compile error of any stage
+            raise KernelDidNotCompile(f"{self.fn.__name__}: {error}") from error
+        compiled.append(self.fn.__name__)
+        return kernel
+
+    patched = []
+    for info in pkgutil.iter_modules(ninfer.kernels.__path__):
+        if not info.name.endswith("_triton"):
+            continue
+        module = importlib.import_module(f"ninfer.kernels.{info.name}")
+        for name, value in (
+            ("pdl_options", lambda device: {"PDL": True, "launch_pdl": True}),
+            ("num_sms", lambda device: SMS),
+        ):
+            if hasattr(module, name):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
+    jit.JITFunction.run = run
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = real_run
+        for module, name, value in patched:
+            setattr(module, name, value)
+
+
+def cases():
+    """(name, call) pairs: each call drives one family of kernels at the 27B or 35B-A3B shapes
+    (the GPU tests' parameters, one of each specialization)."""
+    import kernel_cases as kc
+
+    from ninfer.kernels import (
+        attention_prelude_triton,
+        causal_conv1d_triton,
+        gated_rms_norm_triton,
+        gdn_gates_triton,
+        gdn_recurrent_triton,
+        groupwise_dequant_triton,
+        groupwise_gemv_triton,
+        kv_write_triton,
+        moe_combine_triton,
+        moe_router_triton,
+        moe_routing_triton,
+        output_gate_triton,
+        paged_attention_prefill_triton,
+        paged_attention_triton,
+        rms_norm_triton,
+        rotary_triton,
+        swiglu_triton,
+    )
+    from ninfer.kernels.x_split import SplitRequest
+
+    cpu, q4, q8 = "cpu", "q4_g64_fp16", "q8_g32_fp16"
+    split = SplitRequest.for_format(q4)
+
+    def x_split_producers():
+        x = torch.randn(1, 5120, dtype=BF16)
+        rms_norm_triton.rms_norm(x, torch.randn(5120, dtype=BF16), 1e-6, x.clone(), split)
+        gate_up = torch.randn(1, 2 * 17408, dtype=BF16)
+        swiglu_triton.silu_mul(gate_up[:, :17408], gate_up[:, 17408:], split)
+        heads = torch.randn(1, 48, 128, dtype=BF16)
+        gated_rms_norm_triton.gated_rms_norm(
+            heads, heads, torch.randn(128, dtype=BF16), 1e-6, split
+        )
+        query_gate = torch.randn(1, 24, 512, dtype=BF16)
+        output_gate_triton.sigmoid_gate(query_gate[..., :256], query_gate[..., 256:], split)
+
+    def moe_routing():
+        moe_routing_triton.moe_route(torch.randn(1, 256, dtype=BF16), 8, BF16, 0, 256, True)
+        choices, shared = torch.randn(1, 8, 2048, dtype=BF16), torch.randn(1, 2048, dtype=BF16)
+        weights, experts = torch.rand(1, 8, dtype=BF16), torch.randint(0, 256, (1, 8))
+        gate = torch.randn(1, 1, dtype=BF16)
+        moe_combine_triton.moe_combine(choices, weights, experts, 0, 256, shared, gate)
+
+    return [
+        ("paged decode attention", lambda: kc.check_paged_attention(
+            paged_attention_triton, [1, 300], 24, 4, 256, BF16, cpu, 1e-2)),
+        ("paged prefill attention", lambda: kc.check_paged_prefill_attention(
+            paged_attention_prefill_triton, [0, 40], [17, 64], 24, 4, 256, BF16, cpu, 1e-2)),
+        ("kv write", lambda: kc.check_kv_write(kv_write_triton, 8, 4, 256, BF16, cpu)),
+        ("rotary", lambda: kc.check_rotary(rotary_triton, 8, 24, 256, 64, BF16, cpu, 1e-2)),
+        ("attention prelude", lambda: kc.check_attention_prelude(
+            attention_prelude_triton, rms_norm_triton, rotary_triton, kv_write_triton,
+            1, 24, 4, 256, 64, BF16, cpu, 1e-2)),
+        ("gdn recurrent", lambda: kc.check_gdn_recurrent(
+            gdn_recurrent_triton, [1, 2], 16, 48, 128, 128, BF16, cpu, 1e-2)),
+        ("gdn recurrent with the gates", lambda: kc.check_gdn_recurrent_from_x(
+            gdn_recurrent_triton, gdn_gates_triton, [1], 16, 48, 128, 128, 5120, BF16, cpu,
+            1e-2)),
+        ("gdn gates", lambda: kc.check_gdn_gates(gdn_gates_triton, 8, 48, BF16, cpu, 2e-5, 1)),
+        ("gdn gates from x", lambda: kc.check_gdn_gates_from_x(
+            gdn_gates_triton, 8, 48, 5120, BF16, cpu, 2e-5, 1)),
+        ("causal conv, decode", lambda: kc.check_causal_conv1d(
+            causal_conv1d_triton, [1], 10240, 4, BF16, cpu, 1e-2)),
+        ("causal conv, prefill", lambda: kc.check_causal_conv1d(
+            causal_conv1d_triton, [100, 3], 10240, 4, BF16, cpu, 1e-2)),
+        ("rms norm", lambda: kc.check_rms_norm(rms_norm_triton, 4, 5120, BF16, cpu, 1e-2, False)),
+        ("gated rms norm", lambda: kc.check_gated_rms_norm(
+            gated_rms_norm_triton, 2, 48, 128, BF16, cpu, 1e-2)),
+        ("swiglu", lambda: kc.check_silu_mul(swiglu_triton, 8, 17408, BF16, cpu, 1e-2)),
+        ("x split by its producers", x_split_producers),
+        ("integer gemv q4", lambda: kc.check_groupwise_linear(
+            groupwise_gemv_triton, q4, 1, 2048, 5120, BF16, cpu, 1e-2)),
+        ("integer gemv q8", lambda: kc.check_groupwise_linear(
+            groupwise_gemv_triton, q8, 1, 2048, 5120, BF16, cpu, 1e-2)),
+        ("tensor-core gemv q4, split-K", lambda: kc.check_groupwise_linear(
+            groupwise_gemv_triton, q4, 8, 512, 17408, BF16, cpu, 1e-2)),
+        ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
+            groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
+        ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
+            groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
+        ("dequantization", lambda: kc.check_groupwise_dequant(
+            groupwise_dequant_triton, q4, 512, 5120, BF16, cpu)),
+        ("moe routing and combine", moe_routing),
+        ("moe router with the routing", lambda: kc.check_moe_router_route(
+            moe_router_triton, moe_routing_triton, 1, 256, 8, 2048, True, (0, 256), True,
+            BF16, cpu)),
+    ]  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--capability", type=int, default=90, help="compute capability, 90 = sm_90")
+    parser.add_argument("-k", dest="only", help="only the cases whose name contains this")
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, compiling for sm_{args.capability}")
+    # no GPU driver can load here, so this process never has another
+    driver.set_active(CompileOnlyDriver(args.capability))
+    failed = 0
+    for name, call in cases():
+        if args.only and args.only not in name:
+            continue
+        compiled: list[str] = []
+        with compile_only(compiled):
+            try:
+                torch.manual_seed(0)
+                call()
+                outcome = "ok"
+            except KernelDidNotCompile as error:
+                failed += 1
+                outcome = f"FAILED {error}"
+            except AssertionError:  # the case's checks of outputs that nothing wrote
+                outcome = "ok"
+            except Exception as error:  # the case itself is out of date
+                failed += 1
+                outcome = f"NOT DRIVEN {type(error).__name__}: {error}"
+                traceback.print_exc()
+        kernels = ", ".join(sorted(set(compiled))) or "none"
+        print(f"{outcome.splitlines()[0][:300]:<8} {name}: {kernels}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
