@@ -286,6 +286,40 @@ def grouped_groupwise_linear(
     return gemv_reference.grouped_groupwise_linear(x, weight, x_rows, experts)
 
 
+def groupwise_linear_conv(
+    x: torch.Tensor,
+    weight: EncodedTensor,
+    conv_weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GDN in projection (stacked q|k|v|z rows, encoded) and the causal conv of its first
+    conv_weight.shape[0] outputs: (silu(conv(q|k|v)), z). On CUDA, for one token and taps of
+    width 4, the conv runs in the integer GEMV's kernel (one launch); else the product, then
+    `causal_conv1d`."""
+    channels, width = conv_weight.shape
+    if (
+        use_triton(x, conv_windows)
+        and x.dtype in _HALF
+        and x.shape[0] == 1
+        and state_slots.shape[0] == 1
+        and width == 4
+        and conv_weight.stride(1) == 1
+        and conv_windows.stride(2) == 1
+    ):
+        from ninfer.kernels import groupwise_gemv_triton
+
+        if weight.format in groupwise_gemv_triton.SUPPORTED:
+            out = groupwise_gemv_triton.integer_linear_conv(
+                x.contiguous(), weight, conv_weight, conv_windows, state_slots
+            )
+            return out[:, :channels], out[:, channels:]
+    out = groupwise_linear(x, weight)
+    mixed = causal_conv1d(out[:, :channels], conv_weight, conv_windows, state_slots, query_start)
+    return mixed, out[:, channels:]
+
+
 def groupwise_dequant(weight: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] form of an encoded weight in `dtype`, bit-identical on both paths."""
     if use_triton(*weight.planes.values()):

@@ -50,6 +50,8 @@ SUPPORTED = INT_FORMATS
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
+# Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
+INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).
 INT_STAGES = 3
@@ -411,9 +413,17 @@ def _groupwise_gemv_int_kernel(
     stride_se,
     stride_scales,
     stride_om,
+    conv_weight_ptr,
+    windows_ptr,
+    state_slots_ptr,
+    conv_channels,
+    stride_conv_weight,
+    stride_window_slot,
+    stride_window_c,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     GATHER: tl.constexpr,
+    CONV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     STAGES: tl.constexpr,
@@ -423,7 +433,13 @@ def _groupwise_gemv_int_kernel(
     """out[c, rows] = W x[c] for x row c = program column, or, when GATHER, out[c, rows] =
     W[experts[c]] x[x_rows[c]] (one MoE token-expert pair per column; x_rows[c] < 0 writes
     nothing). Per group, the integer sum over codes * (FINE * coarse + fine) is exact; it is
-    scaled once per group by the weight's and x's scales."""
+    scaled once per group by the weight's and x's scales.
+    CONV (one x row, one sequence; taps of width 4): rows below conv_channels are a GDN layer's
+    q|k|v channels, and the program writes silu(conv) of each instead of the product, the
+    causal conv over the channel's window (state slot state_slots[0]) and the product rounded
+    to out's dtype, in `causal_conv1d_triton`'s arithmetic, then shifts the product into the
+    window. Taps and window are read before the product, so that their latency hides behind
+    it; each channel is one program's alone."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     col = tl.program_id(1)
@@ -437,6 +453,18 @@ def _groupwise_gemv_int_kernel(
         m = col.to(tl.int64)
         expert = 0
         row_mask = rows < N
+    if CONV:
+        conv_rows = row_mask & (rows < conv_channels)
+        slot = tl.load(state_slots_ptr).to(tl.int64)
+        window = windows_ptr + slot * stride_window_slot + rows.to(tl.int64) * stride_window_c
+        taps = conv_weight_ptr + rows.to(tl.int64) * stride_conv_weight
+        window_0 = tl.load(window, mask=conv_rows, other=0.0).to(tl.float32)
+        window_1 = tl.load(window + 1, mask=conv_rows, other=0.0).to(tl.float32)
+        window_2 = tl.load(window + 2, mask=conv_rows, other=0.0).to(tl.float32)
+        tap_0 = tl.load(taps, mask=conv_rows, other=0.0).to(tl.float32)
+        tap_1 = tl.load(taps + 1, mask=conv_rows, other=0.0).to(tl.float32)
+        tap_2 = tl.load(taps + 2, mask=conv_rows, other=0.0).to(tl.float32)
+        tap_3 = tl.load(taps + 3, mask=conv_rows, other=0.0).to(tl.float32)
     parities: tl.constexpr = 2 if BITS == 4 else 1
     words_per_group: tl.constexpr = GROUP * BITS // 32
     level = parities * num_words
@@ -476,7 +504,22 @@ def _groupwise_gemv_int_kernel(
             scale_rows + groups[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0.0
         ).to(tl.float32)
         acc += tl.sum(group_sums.to(tl.float32) * (x_scale[None, :] * w_scale), axis=1)
-    tl.store(out_ptr + col * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if CONV:
+        # the conv kernel's sum: taps in order, the window's three entries then the new input
+        new = out.to(tl.float32)
+        conv = tl.zeros([BLOCK_N], tl.float32)
+        conv += window_0 * tap_0
+        conv += window_1 * tap_1
+        conv += window_2 * tap_2
+        conv += new * tap_3
+        out = tl.where(conv_rows, (conv * tl.sigmoid(conv)).to(out.dtype), out)
+        tl.debug_barrier()  # every thread has read the window before any rewrites it
+        kind = windows_ptr.dtype.element_ty
+        tl.store(window, window_1.to(kind), mask=conv_rows)
+        tl.store(window + 1, window_2.to(kind), mask=conv_rows)
+        tl.store(window + 2, new.to(kind), mask=conv_rows)
+    tl.store(out_ptr + col * stride_om + rows, out, mask=row_mask)
 
 
 def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
@@ -523,9 +566,11 @@ def _int_linear(
     group: int,
     x_rows: torch.Tensor | None = None,
     experts: torch.Tensor | None = None,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x split into int8 pairs once, then the integer GEMV over codes [(E,) N, Kp*bits/8] and
-    scales [(E,) N, Kp/group]."""
+    scales [(E,) N, Kp/group]; with `conv` (taps, windows, state slots), the causal conv of
+    the first taps.shape[0] outputs in the kernel (`integer_linear_conv`)."""
     gather = experts is not None
     out_rows = experts.shape[0] if gather else x.shape[0]
     out = torch.empty(out_rows, num_rows, dtype=x.dtype, device=x.device)
@@ -559,14 +604,24 @@ def _int_linear(
         scales.stride(0) if scales.dim() == 3 else 0,
         scales.stride(-2),
         out.stride(0),
+        *(conv if conv is not None else (out, out, out)),
+        conv[0].shape[0] if conv is not None else 0,
+        conv[0].stride(0) if conv is not None else 0,
+        conv[1].stride(0) if conv is not None else 0,
+        conv[1].stride(1) if conv is not None else 0,
         BITS=bits,
         GROUP=group,
         GATHER=gather,
+        CONV=conv is not None,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,
         STAGES=INT_STAGES,
         ASM=not INTERPRETED,
         num_warps=INT_WARPS,
+        # the plain kernel's registers for sm_90 (ptxas): the conv's taps and window, read
+        # before the loop, would take 72, which fits 7 programs per SM instead of 8; capped,
+        # three of them wait in local memory
+        **({"maxnreg": INT_REGISTERS} if conv is not None else {}),
         **pdl_options(x_codes.device),
     )
     return out
@@ -589,6 +644,32 @@ def grouped_groupwise_linear(
     expert ids are read on the device, so the call has fixed shapes (CUDA-graph safe)."""
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     return _int_linear(x, codes, scales, weight.shape[1], bits, group, x_rows, experts)
+
+
+def integer_linear_conv(
+    x: torch.Tensor,
+    weight: EncodedTensor,
+    conv_weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """A GDN decode step's in projection with its causal conv, for one token: x [1, K], weight
+    the stacked q|k|v|z rows [N, K], conv_weight [C, 4] the taps of the first C outputs,
+    conv_windows [num_slots, C, 3] (updated in place at slot state_slots[0]). Returns [1, N]:
+    the first C columns are `causal_conv1d` of the product's, bit for bit, the rest the
+    product."""
+    bits, group, codes, scales = _unit_stride_planes(x, weight)
+    channels = conv_weight.shape[0]
+    if x.shape[0] != 1 or state_slots.shape[0] != 1:
+        raise ValueError(f"the conv in the product takes one token, got {x.shape[0]}")
+    if tuple(conv_weight.shape) != (channels, 4) or conv_weight.stride(1) != 1:
+        raise ValueError(f"conv taps {tuple(conv_weight.shape)}: [C, 4] with unit stride wanted")
+    if conv_windows.shape[1:] != (channels, 3) or conv_windows.stride(2) != 1:
+        raise ValueError(f"conv windows {tuple(conv_windows.shape)} do not match {channels} taps")
+    if channels > weight.shape[0]:
+        raise ValueError(f"{channels} conv channels over a product of {weight.shape[0]} rows")
+    conv = (conv_weight, conv_windows, state_slots)
+    return _int_linear(x, codes, scales, weight.shape[0], bits, group, conv=conv)
 
 
 def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:

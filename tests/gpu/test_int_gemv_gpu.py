@@ -75,3 +75,34 @@ def test_packed_dequantization_gives_the_fp32_form_bit_for_bit(monkeypatch, n, k
     assert torch.equal(packed, groupwise_gemv_triton.groupwise_linear(x, encoded))
     dense = encoded.decode(torch.bfloat16)
     torch.testing.assert_close(packed.float(), x.float() @ dense.float().T, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize(
+    ("channels", "z_width", "k"), [(10240, 6144, 5120), (8192, 4096, 2048)], ids=["27b", "35b-a3b"]
+)
+def test_conv_inside_the_in_projection_at_the_model_shapes(format_name, channels, z_width, k):
+    """One token, bf16: the q|k|v|z product with the conv of its q|k|v channels in the kernel
+    is bit for bit the integer GEMV followed by the conv kernel, the window shifted alike."""
+    from ninfer.kernels import causal_conv1d_triton, groupwise_gemv_triton
+    from ninfer.quant import get_format
+
+    torch.manual_seed(channels)
+    device, bf16 = "cuda", torch.bfloat16
+    weight = get_format(format_name).encode(
+        torch.randn(channels + z_width, k, device=device) * 0.02
+    )
+    x = torch.randn(1, k, device=device, dtype=bf16)
+    taps = torch.randn(channels, 4, device=device, dtype=bf16) * 0.5
+    windows = torch.randn(4, channels, 3, device=device, dtype=bf16)
+    slot = torch.tensor([2], dtype=torch.int32, device=device)
+    query_start = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    unfused_windows = windows.clone()
+    out = groupwise_gemv_triton.integer_linear_conv(x, weight, taps, windows, slot)
+    product = groupwise_gemv_triton.integer_linear(x, weight)
+    mixed = causal_conv1d_triton.causal_conv1d(
+        product[:, :channels], taps, unfused_windows, slot, query_start
+    )
+    assert torch.equal(out[:, :channels], mixed)
+    assert torch.equal(out[:, channels:], product[:, channels:])
+    assert torch.equal(windows, unfused_windows)

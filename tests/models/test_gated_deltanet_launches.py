@@ -17,7 +17,7 @@ from test_moe_block import LaunchCount
 from torch import nn
 
 from ninfer.kernels import gdn_gates as gates_reference
-from ninfer.models.layers import gated_deltanet, norms
+from ninfer.models.layers import gated_deltanet, linear, norms
 from ninfer.models.layers.gated_deltanet import GATES_FROM_X_MAX_TOKENS, GatedDeltaNet
 
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV = 64, 2, 4, 16, 4
@@ -104,3 +104,62 @@ def test_decode_step_without_the_fused_gates_took_the_product_the_gates_and_the_
     assert launches["mm"] == 3 and launches["gdn_gates"] == 1
     assert launches["recurrent_gated_delta_rule"] == 1
     assert "recurrent_gated_delta_rule_from_x" not in launches
+
+
+def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch):
+    """Stacked q|k|v|z weights kept encoded: a one-token decode step launches one kernel for
+    the in projection and the conv (`groupwise_linear_conv`), no conv kernel of its own; a
+    step of two tokens keeps the product and the conv apart."""
+    from ninfer.models.layers.linear import GroupwiseLinear
+    from ninfer.quant import get_format
+
+    q8 = get_format("q8_g32_fp16")
+
+    def encoded(tokens):
+        layer = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, CONV, 1e-6, 0)
+        for param in layer.parameters():
+            nn.init.normal_(param)
+        for name in ("in_proj_qkv", "in_proj_z"):
+            weight = getattr(layer, name).weight.detach()
+            setattr(layer, name, GroupwiseLinear(q8.encode(weight)))
+        layer.fuse_projections()
+        layer = layer.to(device="meta", dtype=torch.bfloat16)
+        count = LaunchCount()
+
+        def linear_conv(x, weight, taps, windows, slots, query_start):
+            assert weight.shape == (layer.conv_dim + layer.value_dim, HIDDEN)
+            return x.new_empty(1, layer.conv_dim), x.new_empty(1, layer.value_dim)
+
+        def like_first(shaped, *args):
+            return torch.empty_like(shaped)
+
+        def rule_from_x(q, k, v, *args):
+            return torch.empty_like(v)
+
+        def gemv(x, weight):
+            return x.new_empty(x.shape[0], weight.shape[0])
+
+        monkeypatch.setattr(
+            gated_deltanet, "groupwise_linear_conv", count.kernel("linear_conv", linear_conv)
+        )
+        monkeypatch.setattr(gated_deltanet, "causal_conv1d", count.kernel("conv", like_first))
+        monkeypatch.setattr(
+            gated_deltanet,
+            "recurrent_gated_delta_rule_from_x",
+            count.kernel("rule", rule_from_x),
+        )
+        monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
+        monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("norm", like_first))
+        meta = {"device": "meta"}
+        ctx = SimpleNamespace(
+            is_decode=True,
+            cache=SimpleNamespace(conv_window=[torch.empty(0, **meta)], gdn_state=[None]),
+            state_slots=torch.empty(tokens, dtype=torch.int32, **meta),
+            query_start=torch.empty(tokens + 1, dtype=torch.int32, **meta),
+        )
+        with count:
+            layer(torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, **meta), ctx)
+        return dict(count.launches)
+
+    assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(2) == {"gemv": 1, "conv": 1, "mm": 1, "rule": 1, "norm": 1}

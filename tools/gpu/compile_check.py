@@ -131,6 +131,7 @@ def cases():
         swiglu_triton,
     )
     from ninfer.kernels.x_split import SplitRequest
+    from ninfer.quant import get_format
 
     cpu, q4, q8 = "cpu", "q4_g64_fp16", "q8_g32_fp16"
     split = SplitRequest.for_format(q4)
@@ -146,6 +147,14 @@ def cases():
         )
         query_gate = torch.randn(1, 24, 512, dtype=BF16)
         output_gate_triton.sigmoid_gate(query_gate[..., :256], query_gate[..., 256:], split)
+
+    def in_projection_with_the_conv():
+        weight = get_format(q4).encode(torch.randn(16384, 5120) * 0.02)
+        taps, windows = torch.randn(10240, 4, dtype=BF16), torch.randn(2, 10240, 3, dtype=BF16)
+        slot = torch.tensor([1], dtype=torch.int32)
+        groupwise_gemv_triton.integer_linear_conv(
+            torch.randn(1, 5120, dtype=BF16), weight, taps, windows, slot
+        )
 
     def moe_routing():
         moe_routing_triton.moe_route(torch.randn(1, 256, dtype=BF16), 8, BF16, 0, 256, True)
@@ -189,6 +198,7 @@ def cases():
             groupwise_gemv_triton, q4, 8, 512, 17408, BF16, cpu, 1e-2)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
+        ("integer gemv with the conv", in_projection_with_the_conv),
         ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
         ("dequantization", lambda: kc.check_groupwise_dequant(

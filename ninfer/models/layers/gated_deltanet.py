@@ -14,11 +14,13 @@ from ninfer.kernels.dispatch import (
     chunk_gated_delta_rule,
     gdn_gates,
     gdn_gates_from_x,
+    groupwise_linear_conv,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_from_x,
 )
+from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.models.context import ForwardContext
-from ninfer.models.layers.linear import FusedLinear, fuse_into
+from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, fuse_into
 from ninfer.models.layers.norms import GatedRMSNorm
 
 # Up to this many tokens (decode batches, speculative verification) a kernel computes the dense
@@ -98,24 +100,37 @@ class GatedDeltaNet(nn.Module):
             b, a = self.in_proj_ba(x)
         return gdn_gates(b, a, self.A_log, self.dt_bias)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        tokens = x.shape[0]
-        if self.in_proj_qkvz is None:
+    def project_and_conv(
+        self, x: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(silu(conv(q|k|v)), z). A one-token decode step with the projections stacked and
+        encoded, off the CPU, runs the conv inside the product's kernel (one launch fewer)."""
+        taps, windows = self.conv1d.weight[:, 0], ctx.cache.conv_window[self.cache_index]
+        fused = self.in_proj_qkvz
+        if (
+            fused is not None
+            and ctx.is_decode
+            and isinstance(fused.linear, GroupwiseLinear)
+            and x.device.type != "cpu"
+            and x.shape[0] <= INT_MAX_ROWS
+        ):
+            return groupwise_linear_conv(
+                x, fused.linear.encoded, taps, windows, ctx.state_slots, ctx.query_start
+            )
+        if fused is None:
             mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         else:
-            mixed_qkv, z = self.in_proj_qkvz(x)
+            mixed_qkv, z = fused(x)
+        return causal_conv1d(mixed_qkv, taps, windows, ctx.state_slots, ctx.query_start), z
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
         # At decode, where a kernel would compute the gates from x, the recurrent kernel does
         # (one launch fewer); they are then computed after the conv, not before.
         ba_weight = self.ba_weight_for(x) if ctx.is_decode else None
         if ba_weight is None:
             g, beta = self.gates(x)
-        mixed = causal_conv1d(
-            mixed_qkv,
-            self.conv1d.weight[:, 0],
-            ctx.cache.conv_window[self.cache_index],
-            ctx.state_slots,
-            ctx.query_start,
-        )
+        mixed, z = self.project_and_conv(x, ctx)
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.view(tokens, self.num_key_heads, self.key_head_dim)
         key = key.view(tokens, self.num_key_heads, self.key_head_dim)
