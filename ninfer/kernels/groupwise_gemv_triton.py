@@ -13,13 +13,17 @@ planes and never leave registers as floats. Two kernels:
   the copy rate; this form needs about one. A program computes rows of one x row (a second
   dimension over x rows held them in three-dimensional tiles and ran 20-30 % slower at one
   row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
-  once per row, so only one row takes it in decode.
+  once per row, so only one row takes it in decode. For a GDN layer's in projection the
+  kernel also runs the causal conv of the q|k|v outputs (`integer_linear_conv`): each program
+  reads its channels' taps and window before the product and finishes its rows alone.
 - more x rows (x padded to 16 rows): each tile of BLOCK_K columns is dequantized in registers
   as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype; a q4 byte's
   nibbles are values 2j and 2j + 1, interleaved back with a join) and multiplied on the tensor
   cores over the whole tile. Scaling each group's product afterwards instead (exact codes,
   one [16 x 32] product per group) ran at 14-19 % of the copy rate for q4 at M = 8; this form
-  runs at 20-28 % for q4 and about 50 % for q8, still issue-bound (bench/decode_kernels.md). Split-K
+  runs at 20-28 % for q4 and about 50 % for q8, still issue-bound (bench/decode_kernels.md).
+  For q4 and bf16 x, inline PTX dequantizes two values per instruction with the same result
+  (`_bf16_pairs`): 22-35 % of the copy rate at M = 8 at the 27B shapes. Split-K
   fills the GPU when N is small: every split writes an fp32 partial and bumps its output
   tile's counter, and the split that arrives last adds the partials up and writes the result,
   so a split product is still one launch.
