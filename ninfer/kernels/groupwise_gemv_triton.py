@@ -73,9 +73,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Tensor-core kernel, per format: (weight rows, weight columns per tile, warps, pipeline
 # stages), and K is split while the grid would give an SM fewer than TC_PROGRAMS_PER_SM
 # programs: within 10 % of the fastest setting swept at M = 8 at every 27B shape on the GPU
-# machine (bench/decode_kernels.md).
+# machine, and six programs per SM gave the fastest 27B C=8 step, 0.15 ms faster than four
+# (bench/decode_kernels.md).
 TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
-TC_PROGRAMS_PER_SM = 4
+TC_PROGRAMS_PER_SM = 6
 # q4 tiles for bf16 x dequantized two values per instruction (`_bf16_pairs`, inline PTX for
 # sm_90; the interpreter runs the fp32 form): compiled for sm_90, the loop's instructions fall
 # by about a quarter (bench/decode_kernels.md), and the products are the same bit for bit.
