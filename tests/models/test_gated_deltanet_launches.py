@@ -23,6 +23,17 @@ from ninfer.models.layers.gated_deltanet import GATES_FROM_X_MAX_TOKENS, GatedDe
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV = 64, 2, 4, 16, 4
 
 
+def meta_context(tokens: int, is_decode: bool) -> SimpleNamespace:
+    """The forward context a GDN layer reads, on the meta device (no data, no kernels)."""
+    meta = {"device": "meta"}
+    return SimpleNamespace(
+        is_decode=is_decode,
+        cache=SimpleNamespace(conv_window=[torch.empty(0, **meta)], gdn_state=[None]),
+        state_slots=torch.empty(tokens, dtype=torch.int32, **meta),
+        query_start=torch.empty(tokens + 1, dtype=torch.int32, **meta),
+    )
+
+
 def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]:
     layer = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, CONV, 1e-6, 0)
     for param in layer.parameters():
@@ -56,14 +67,8 @@ def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]
     for name, compute in kernels.items():
         monkeypatch.setattr(gated_deltanet, name, count.kernel(name, compute))
     monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("gated_rms_norm", like_first))
-    meta = {"device": "meta"}
-    ctx = SimpleNamespace(
-        is_decode=is_decode,
-        cache=SimpleNamespace(conv_window=[torch.empty(0, **meta)], gdn_state=[None]),
-        state_slots=torch.empty(tokens, dtype=torch.int32, **meta),
-        query_start=torch.empty(tokens + 1, dtype=torch.int32, **meta),
-    )
-    x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, **meta)
+    ctx = meta_context(tokens, is_decode)
+    x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
     with count:
         out = layer(x, ctx)
     assert out.shape == x.shape
@@ -150,15 +155,9 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
         )
         monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
         monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("norm", like_first))
-        meta = {"device": "meta"}
-        ctx = SimpleNamespace(
-            is_decode=True,
-            cache=SimpleNamespace(conv_window=[torch.empty(0, **meta)], gdn_state=[None]),
-            state_slots=torch.empty(tokens, dtype=torch.int32, **meta),
-            query_start=torch.empty(tokens + 1, dtype=torch.int32, **meta),
-        )
         with count:
-            layer(torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, **meta), ctx)
+            x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
+            layer(x, meta_context(tokens, is_decode=True))
         return dict(count.launches)
 
     assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
