@@ -25,3 +25,19 @@ def test_every_kernel_compiles_for_sm90():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     cases = [line for line in lines[1:] if line.strip()]
     assert len(cases) >= 20 and all(line.startswith("ok ") for line in cases), result.stdout
+
+
+def test_sass_lines_name_registers_and_the_longest_loop():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(TOOL), "-k", "integer gemv q4", "--sass"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    gemv = [line for line in result.stdout.splitlines() if "_groupwise_gemv_int_kernel:" in line]
+    assert len(gemv) == 1, result.stdout
+    assert "registers " in gemv[0] and "local 0 B" in gemv[0]
+    assert "longest loop" in gemv[0] and " IDP " in gemv[0]  # the dp4a products of its loop

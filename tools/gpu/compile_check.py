@@ -8,7 +8,12 @@ own Python wrappers, with every launch turned into a compile for sm_90 (front en
 ptxas) that launches nothing; the cases' result checks then fail on the unwritten outputs and
 are ignored. Programmatic dependent launch is on, as on an H100/H200.
 
-    python tools/gpu/compile_check.py [--capability 90] [-k NAME]
+    python tools/gpu/compile_check.py [--capability 90] [-k NAME] [--sass]
+
+With --sass, each compiled kernel also gets a line read from its SASS: registers, local
+memory (spills), and the instructions of its longest loop (the body of its longest backward
+branch) with the most frequent opcodes; the way to see what a change to a kernel's inner loop
+costs before timing it.
 
 With the GPU machine's Triton installed beside the usual one
 (`pip install --no-deps --target /tmp/triton-gpu triton==3.6.0`), run it with
@@ -18,10 +23,14 @@ compile."""
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import os
 import pkgutil
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,7 +80,7 @@ class CompileOnlyDriver:
 
 
 @contextmanager
-def compile_only(compiled: list[str]):
+def compile_only(compiled: list):
     """Every `kernel[grid](...)` compiles (warm-up) instead of launching, for the target of the
     active driver (`CompileOnlyDriver`); the ninfer kernel modules see a GPU with PDL and SMS
     multiprocessors."""
@@ -82,7 +91,7 @@ def compile_only(compiled: list[str]):
             kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as error:  # a compile error of any stage
             raise KernelDidNotCompile(f"{self.fn.__name__}: {error}") from error
-        compiled.append(self.fn.__name__)
+        compiled.append((self.fn.__name__, kernel))
         return kernel
 
     patched = []
@@ -104,6 +113,36 @@ def compile_only(compiled: list[str]):
         jit.JITFunction.run = real_run
         for module, name, value in patched:
             setattr(module, name, value)
+
+
+def sass_summary(cubin: bytes) -> str:
+    """Registers, local memory and the longest loop's instruction mix of a compiled kernel,
+    read with the cuobjdump that ships with Triton."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass, re.MULTILINE)
+    addresses = [int(address, 16) for address, _ in lines]
+    longest: list[str] = []
+    for i, (_, text) in enumerate(lines):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) in addresses[:i]:
+            body = [op for _, op in lines[addresses.index(int(target.group(1), 16)) : i + 1]]
+            longest = max(longest, body, key=len)
+    opcodes = collections.Counter(
+        re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in longest
+    )
+    mix = " ".join(f"{name} {count}" for name, count in opcodes.most_common(8))
+    loop = f"longest loop {len(longest)} instructions: {mix}" if longest else "no loop"
+    return (
+        f"registers {registers.group(1) if registers else '?'}, local "
+        f"{local.group(1) if local else '?'} B, {loop}"
+    )
 
 
 def cases():
@@ -214,6 +253,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capability", type=int, default=90, help="compute capability, 90 = sm_90")
     parser.add_argument("-k", dest="only", help="only the cases whose name contains this")
+    parser.add_argument("--sass", action="store_true", help="a line of SASS figures per kernel")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, compiling for sm_{args.capability}")
     # no GPU driver can load here, so this process never has another
@@ -222,7 +262,7 @@ def main() -> int:
     for name, call in cases():
         if args.only and args.only not in name:
             continue
-        compiled: list[str] = []
+        compiled: list = []
         with compile_only(compiled):
             try:
                 torch.manual_seed(0)
@@ -237,8 +277,16 @@ def main() -> int:
                 failed += 1
                 outcome = f"NOT DRIVEN {type(error).__name__}: {error}"
                 traceback.print_exc()
-        kernels = ", ".join(sorted(set(compiled))) or "none"
+        kernels = ", ".join(sorted({kernel_name for kernel_name, _ in compiled})) or "none"
         print(f"{outcome.splitlines()[0][:300]:<8} {name}: {kernels}")
+        if args.sass:
+            seen = set()
+            for kernel_name, kernel in compiled:
+                cubin = kernel.asm.get("cubin")
+                if cubin is None or cubin in seen:
+                    continue
+                seen.add(cubin)
+                print(f"         {kernel_name}: {sass_summary(cubin)}")
     return 1 if failed else 0
 
 
