@@ -189,35 +189,25 @@ def _groupwise_gemv_kernel(
 # rounding to bf16 does. Operands: $0-$3 out, $4 the bytes, $5-$8 the hi parts and $9-$12 the
 # lo parts, each part in both halves of its register. tests/quant/test_packed_dequant_math.py
 # runs this text through an emulator of its five instructions.
-_BF16_PAIRS_PTX = tl.constexpr(
-    """{
-.reg .b32 w4, x, t, c, r, one, m136, nz;
-mov.b32 one, 0x3F803F80;
-mov.b32 m136, 0xC308C308;
-mov.b32 nz, 0x80008000;
-shr.b32 w4, $4, 4;
-prmt.b32 x, $4, w4, 0x4400;
-lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 c, t, one, m136;
-fma.rn.bf16x2 r, c, $9, nz;
-fma.rn.bf16x2 $0, c, $5, r;
-prmt.b32 x, $4, w4, 0x5511;
-lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 c, t, one, m136;
-fma.rn.bf16x2 r, c, $10, nz;
-fma.rn.bf16x2 $1, c, $6, r;
-prmt.b32 x, $4, w4, 0x6622;
-lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 c, t, one, m136;
-fma.rn.bf16x2 r, c, $11, nz;
-fma.rn.bf16x2 $2, c, $7, r;
-prmt.b32 x, $4, w4, 0x7733;
-lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;
-fma.rn.bf16x2 c, t, one, m136;
-fma.rn.bf16x2 r, c, $12, nz;
-fma.rn.bf16x2 $3, c, $8, r;
-}"""
-)
+def _pairs_ptx() -> str:
+    """`_BF16_PAIRS_PTX`'s text: the constants and the shift, then the same five instructions
+    for each byte j (prmt selector: byte j of the bytes, then byte j of the bytes >> 4)."""
+    steps = "".join(
+        f"prmt.b32 x, $4, w4, 0x{4 + j}{4 + j}{j}{j};\n"
+        "lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;\n"
+        "fma.rn.bf16x2 c, t, one, m136;\n"
+        f"fma.rn.bf16x2 r, c, ${9 + j}, nz;\n"
+        f"fma.rn.bf16x2 ${j}, c, ${5 + j}, r;\n"
+        for j in range(4)
+    )
+    head = (
+        "{\n.reg .b32 w4, x, t, c, r, one, m136, nz;\nmov.b32 one, 0x3F803F80;\n"
+        "mov.b32 m136, 0xC308C308;\nmov.b32 nz, 0x80008000;\nshr.b32 w4, $4, 4;\n"
+    )
+    return head + steps + "}"
+
+
+_BF16_PAIRS_PTX = tl.constexpr(_pairs_ptx())
 
 
 @triton.jit
