@@ -41,11 +41,21 @@ FORMATS = ("q4_g64_fp16", "q8_g32_fp16")
 # Tensor-core GEMV settings timed at M = 8: (rows, columns per tile, warps, stages), programs
 # per SM below which K is split.
 TC_VARIANTS = (
+    ((128, 128, 4, 3), 6),
     ((128, 128, 4, 3), 4),
+    ((128, 128, 4, 3), 3),
     ((128, 128, 4, 3), 8),
-    ((64, 256, 4, 3), 4),
-    ((64, 128, 4, 4), 4),
+    ((128, 128, 4, 2), 6),
+    ((128, 128, 4, 4), 6),
+    ((128, 64, 4, 3), 6),
+    ((64, 128, 4, 3), 6),
+    ((64, 256, 4, 3), 6),
+    ((128, 256, 8, 3), 6),
+    ((128, 128, 8, 3), 6),
+    ((256, 128, 8, 3), 6),
 )
+# ... at the 27B products: MLP gate|up, MLP down, out projection, attention q|gate
+TC_SHAPES = ((2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE), (HIDDEN, 6144), (12288, HIDDEN))
 CONV_DIM = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_VALUE_HEADS * GDN_DIM
 
 
@@ -224,11 +234,12 @@ def main() -> None:
     for config, per_sm in TC_VARIANTS:
         groupwise_gemv_triton.TC_CONFIG = dict.fromkeys(FORMATS, config)
         groupwise_gemv_triton.TC_PROGRAMS_PER_SM = per_sm
-        times = [bench_gemv(name, 8, INTERMEDIATE, HIDDEN)[1] * 1e3 for name in FORMATS]
-        print(
-            f"  GEMV M=8 17408x5120 rows/columns/warps/stages {'/'.join(map(str, config))}, "
-            f"{per_sm} programs per SM: q4 {times[0]:.1f}, q8 {times[1]:.1f}"
-        )
+        for name in FORMATS:
+            times = [f"{n}x{k} {bench_gemv(name, 8, n, k)[1] * 1e3:.1f}" for n, k in TC_SHAPES]
+            print(
+                f"  {name[:2]} GEMV M=8, rows/columns/warps/stages {'/'.join(map(str, config))}, "
+                f"{per_sm} programs per SM: {', '.join(times)}"
+            )
     groupwise_gemv_triton.TC_CONFIG, groupwise_gemv_triton.TC_PROGRAMS_PER_SM = tc_defaults
     if args.json:
         with open(args.json, "w") as f:
