@@ -107,13 +107,15 @@ def _groupwise_gemv_kernel(
     STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PACKED: tl.constexpr,
+    WHOLE_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
     dequantized in registers exactly as `EncodedTensor.decode` does (the fp32 product of code
     and scale, rounded to x's dtype) and multiplied on the tensor cores. With SPLIT_K, program
     (n, m, s) sums split s's tiles into partial[s]; the last split of an output tile to arrive
-    (a counter per tile, reset by it) adds up all partials and writes out."""
+    (a counter per tile, reset by it) adds up all partials and writes out. WHOLE_TILES: N and
+    K are multiples of BLOCK_N and BLOCK_K, so the loop's loads need no masks but x's rows."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -137,15 +139,20 @@ def _groupwise_gemv_kernel(
         groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
         live = groups < num_groups
         byte_cols = groups[:, None] * group_bytes + in_group[None, :]
-        raw = tl.load(
-            code_rows + byte_cols[None, :, :],
-            mask=row_mask[:, None, None] & live[None, :, None],
-            other=0,
-        )
+        if WHOLE_TILES:
+            raw = tl.load(code_rows + byte_cols[None, :, :])
+            scale = tl.load(scale_rows + groups[None, :])
+        else:
+            raw = tl.load(
+                code_rows + byte_cols[None, :, :],
+                mask=row_mask[:, None, None] & live[None, :, None],
+                other=0,
+            )
+            scale = tl.load(
+                scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
+            )
         packed = raw.to(tl.int32)
-        scale = tl.load(
-            scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
-        ).to(tl.float32)[:, :, None]
+        scale = scale.to(tl.float32)[:, :, None]
         if PACKED:
             w = tl.reshape(_bf16_pairs(raw, scale), [BLOCK_N, BLOCK_K])
         else:
@@ -158,7 +165,11 @@ def _groupwise_gemv_kernel(
                 w = tl.join(low, high)
             w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :], other=0.0)
+        if WHOLE_TILES:
+            xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            x_mask = m_mask[:, None] & (ks < K)[None, :]
+            xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
         acc = tl.dot(xs, tl.trans(w), acc)
     out_mask = m_mask[:, None] & row_mask[None, :]
     at = ms[:, None] * N + rows[None, :]
@@ -730,12 +741,20 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         STAGES=stages,
         SPLIT_K=counters is not None,
         PACKED=bits == 4 and x.dtype == torch.bfloat16 and TC_PACKED_DEQUANT and not INTERPRETED,
+        WHOLE_TILES=whole_tiles(num_rows, k, num_groups * group, block_n, block_k),
         num_warps=warps,
         **pdl_options(x.device),
     )
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)
     return out
+
+
+def whole_tiles(num_rows: int, k: int, padded_k: int, block_n: int, block_k: int) -> bool:
+    """Whether the tensor-core kernel's tiles cover the weight exactly (its loop then loads
+    without masks: about 8 % fewer loop instructions compiled for sm_90). True at every 27B
+    and 35B-A3B product."""
+    return num_rows % block_n == 0 and k == padded_k and k % block_k == 0
 
 
 def tile_counters(device: torch.device, needed: int) -> torch.Tensor | None:
