@@ -17,13 +17,14 @@ planes and never leave registers as floats. Two kernels:
   kernel also runs the causal conv of the q|k|v outputs (`integer_linear_conv`): each program
   reads its channels' taps and window before the product and finishes its rows alone.
 - more x rows (x padded to 16 rows): each tile of BLOCK_K columns is dequantized in registers
-  as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype; a q4 byte's
-  nibbles are values 2j and 2j + 1, interleaved back with a join) and multiplied on the tensor
-  cores over the whole tile. Scaling each group's product afterwards instead (exact codes,
+  as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype) and multiplied
+  on the tensor cores over the whole tile (a q4 byte's nibbles are values 2j and 2j + 1: the
+  tile is two products, one over its even columns and one over its odd ones, so that no
+  interleaving join stands between the codes and the tensor cores' operand layout). Scaling each group's product afterwards instead (exact codes,
   one [16 x 32] product per group) ran at 14-19 % of the copy rate for q4 at M = 8; this form
   runs at 20-28 % for q4 and about 50 % for q8, still issue-bound (bench/decode_kernels.md).
   For q4 and bf16 x, inline PTX dequantizes two values per instruction with the same result
-  (`_bf16_pairs`): 22-35 % of the copy rate at M = 8 at the 27B shapes. Split-K
+  (`_bf16_halves`): 22-35 % of the copy rate at M = 8 at the 27B shapes. Split-K
   fills the GPU when N is small: every split writes an fp32 partial and bumps its output
   tile's counter, and the split that arrives last adds the partials up and writes the result,
   so a split product is still one launch.
@@ -77,9 +78,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (bench/decode_kernels.md).
 TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
 TC_PROGRAMS_PER_SM = 6
-# q4 tiles for bf16 x dequantized two values per instruction (`_bf16_pairs`, inline PTX for
-# sm_90; the interpreter runs the fp32 form): compiled for sm_90, the loop's instructions fall
-# by about a quarter (bench/decode_kernels.md), and the products are the same bit for bit.
+# Registers per thread for the tensor-core kernel (None: ptxas's choice). Compiled for sm_90,
+# the split-K form takes 159-161, three programs per SM; capped at 128 it fits four with no
+# spill (bench/decode_kernels.md).
+TC_MAX_REGISTERS: int | None = 128
+# q4 tiles for bf16 x dequantized two values per instruction (`_bf16_halves`, inline PTX for
+# sm_90; the interpreter runs the fp32 form): the products are the same bit for bit, and the
+# C=8 step is faster (bench/decode_kernels.md).
 TC_PACKED_DEQUANT = True
 
 
@@ -107,13 +112,15 @@ def _groupwise_gemv_kernel(
     STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PACKED: tl.constexpr,
+    WHOLE_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
     dequantized in registers exactly as `EncodedTensor.decode` does (the fp32 product of code
     and scale, rounded to x's dtype) and multiplied on the tensor cores. With SPLIT_K, program
     (n, m, s) sums split s's tiles into partial[s]; the last split of an output tile to arrive
-    (a counter per tile, reset by it) adds up all partials and writes out."""
+    (a counter per tile, reset by it) adds up all partials and writes out. WHOLE_TILES: N and
+    K are multiples of BLOCK_N and BLOCK_K, so the loop's loads need no masks but x's rows."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -137,29 +144,42 @@ def _groupwise_gemv_kernel(
         groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
         live = groups < num_groups
         byte_cols = groups[:, None] * group_bytes + in_group[None, :]
-        raw = tl.load(
-            code_rows + byte_cols[None, :, :],
-            mask=row_mask[:, None, None] & live[None, :, None],
-            other=0,
-        )
-        packed = raw.to(tl.int32)
-        scale = tl.load(
-            scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
-        ).to(tl.float32)[:, :, None]
-        if PACKED:
-            w = tl.reshape(_bf16_pairs(raw, scale), [BLOCK_N, BLOCK_K])
+        if WHOLE_TILES:
+            raw = tl.load(code_rows + byte_cols[None, :, :])
+            scale = tl.load(scale_rows + groups[None, :])
         else:
-            if BITS == 8:
-                w = packed.to(tl.float32) * scale
-            else:
-                # the low nibble of byte j is value 2j, the high nibble value 2j + 1
-                low = (((packed & 15) ^ 8) - 8).to(tl.float32) * scale
-                high = (((packed >> 4) ^ 8) - 8).to(tl.float32) * scale
-                w = tl.join(low, high)
-            w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
+            raw = tl.load(
+                code_rows + byte_cols[None, :, :],
+                mask=row_mask[:, None, None] & live[None, :, None],
+                other=0,
+            )
+            scale = tl.load(
+                scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
+            )
+        packed = raw.to(tl.int32)
+        scale = scale.to(tl.float32)[:, :, None]
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :], other=0.0)
-        acc = tl.dot(xs, tl.trans(w), acc)
+        if WHOLE_TILES:
+            xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            x_mask = m_mask[:, None] & (ks < K)[None, :]
+            xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        dtype = x_ptr.dtype.element_ty
+        if BITS == 8:
+            w = (packed.to(tl.float32) * scale).to(dtype)
+            acc = tl.dot(xs, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K])), acc)
+        else:
+            # byte j's low nibble is value 2j, its high nibble value 2j + 1: the tile is two
+            # products, over its even columns and over its odd ones (no interleaving join)
+            if PACKED:
+                w_even, w_odd = _bf16_halves(raw, scale)
+            else:
+                w_even = ((((packed & 15) ^ 8) - 8).to(tl.float32) * scale).to(dtype)
+                w_odd = ((((packed >> 4) ^ 8) - 8).to(tl.float32) * scale).to(dtype)
+            x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, BLOCK_K // 2, 2]))
+            half: tl.constexpr = BLOCK_K // 2
+            acc = tl.dot(x_even, tl.trans(tl.reshape(w_even, [BLOCK_N, half])), acc)
+            acc = tl.dot(x_odd, tl.trans(tl.reshape(w_odd, [BLOCK_N, half])), acc)
     out_mask = m_mask[:, None] & row_mask[None, :]
     at = ms[:, None] * N + rows[None, :]
     if SPLIT_K:
@@ -180,25 +200,30 @@ def _groupwise_gemv_kernel(
         tl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# Four q4 bytes (one 32-bit register) to four bf16 pairs (values 2j, 2j + 1 of byte j), each
-# code * scale rounded once to bf16, two values per instruction. A nibble n holds its code in
-# two's complement, so n ^ 8 = code + 8, and 0x4300 | (n ^ 8) = (n & 0xF) ^ 0x4308 (one lop3)
-# is the bf16 of 136 + code; one fma with (1, -136) then gives the code exactly. The fp16 scale
-# is the sum of two bf16 parts hi + lo (lo has at most three significant bits), so code * lo
-# is exact and fma(code, hi, code * lo) rounds code * scale once, as the fp32 product's
-# rounding to bf16 does. Operands: $0-$3 out, $4 the bytes, $5-$8 the hi parts and $9-$12 the
-# lo parts, each part in both halves of its register. tests/quant/test_packed_dequant_math.py
-# runs this text through an emulator of its five instructions.
-def _pairs_ptx() -> str:
-    """`_BF16_PAIRS_PTX`'s text: the constants and the shift, then the same five instructions
-    for each byte j (prmt selector: byte j of the bytes, then byte j of the bytes >> 4)."""
+# Four q4 bytes (one 32-bit register) to their eight bf16 values, each code * scale rounded
+# once to bf16, two values per instruction: the low nibbles' values (2j of byte j) into two
+# registers, the high nibbles' (2j + 1) into two more. A nibble n holds its code in two's
+# complement, so n ^ 8 = code + 8, and 0x4300 | (n ^ 8) = (n & 0xF) ^ 0x4308 (one lop3) is the
+# bf16 of 136 + code; one fma with (1, -136) then gives the code exactly. The fp16 scale is
+# the sum of two bf16 parts hi + lo (lo has at most three significant bits), so code * lo is
+# exact and fma(code, hi, code * lo) rounds code * scale once, as the fp32 product's rounding
+# to bf16 does. Operands: $0, $1 the low values of bytes 0-1 and 2-3, $2, $3 the high values;
+# $4 the bytes; $5, $6 the hi parts of bytes 0-1 and 2-3, $7, $8 their lo parts.
+# tests/quant/test_packed_dequant_math.py runs this text through an emulator of its five
+# instructions.
+def _halves_ptx() -> str:
+    """`_BF16_HALVES_PTX`'s text: the constants and the shift, then the same five instructions
+    for each output register (prmt selector 0x7170: the source's bytes 0-1, 0x7372: bytes 2-3;
+    source $4 for the low nibbles, $4 >> 4 for the high ones)."""
     steps = "".join(
-        f"prmt.b32 x, $4, w4, 0x{4 + j}{4 + j}{j}{j};\n"
+        f"prmt.b32 x, {src}, 0, {sel};\n"
         "lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;\n"
         "fma.rn.bf16x2 c, t, one, m136;\n"
-        f"fma.rn.bf16x2 r, c, ${9 + j}, nz;\n"
-        f"fma.rn.bf16x2 ${j}, c, ${5 + j}, r;\n"
-        for j in range(4)
+        f"fma.rn.bf16x2 r, c, ${7 + half}, nz;\n"
+        f"fma.rn.bf16x2 ${out}, c, ${5 + half}, r;\n"
+        for out, (src, half, sel) in enumerate(
+            (("$4", 0, "0x7170"), ("$4", 1, "0x7372"), ("w4", 0, "0x7170"), ("w4", 1, "0x7372"))
+        )
     )
     head = (
         "{\n.reg .b32 w4, x, t, c, r, one, m136, nz;\nmov.b32 one, 0x3F803F80;\n"
@@ -207,33 +232,26 @@ def _pairs_ptx() -> str:
     return head + steps + "}"
 
 
-_BF16_PAIRS_PTX = tl.constexpr(_pairs_ptx())
+_BF16_HALVES_PTX = tl.constexpr(_halves_ptx())
 
 
 @triton.jit
-def _bf16_pairs(raw, scale):
+def _bf16_halves(raw, scale):
     """q4 bytes [R, G, B] and their groups' fp32 scales (of fp16 values) [R, G, 1]: the bf16
-    values [R, G, B, 2], `EncodedTensor.decode`'s bit for bit (byte j's low nibble is value
-    2j, its high nibble value 2j + 1), through `_BF16_PAIRS_PTX` four bytes at a time. Except
-    the sign of a zero: code 0 may give +0 where the reference gives -0 (a negative scale).
-    The product cannot tell: its sums start at +0, and +0 + -0 = +0."""
+    values of the bytes' low nibbles and of their high nibbles, two [R, G, B] tensors,
+    `EncodedTensor.decode`'s values 2j and 2j + 1 bit for bit, through `_BF16_HALVES_PTX` four
+    bytes at a time. Except the sign of a zero: code 0 may give +0 where the reference gives
+    -0 (a negative scale). The product cannot tell: its sums start at +0, and +0 + -0 = +0."""
     hi = scale.to(tl.bfloat16)
     lo = (scale - hi.to(tl.float32)).to(tl.bfloat16)
-    hi_bits = hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    lo_bits = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi_pair = tl.broadcast_to(hi_bits | (hi_bits << 16), raw.shape)
-    lo_pair = tl.broadcast_to(lo_bits | (lo_bits << 16), raw.shape)
-    pairs = tl.inline_asm_elementwise(
-        _BF16_PAIRS_PTX,
-        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-        [raw, hi_pair, lo_pair],
-        dtype=tl.int32,
+    return tl.inline_asm_elementwise(
+        _BF16_HALVES_PTX,
+        "=r,=r,=r,=r,r,r,r,r,r",
+        [raw, tl.broadcast_to(hi, raw.shape), tl.broadcast_to(lo, raw.shape)],
+        dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True,
         pack=4,
     )
-    low = (pairs & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    high = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return tl.join(low, high)
 
 
 @triton.jit
@@ -720,12 +738,21 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         STAGES=stages,
         SPLIT_K=counters is not None,
         PACKED=bits == 4 and x.dtype == torch.bfloat16 and TC_PACKED_DEQUANT and not INTERPRETED,
+        WHOLE_TILES=whole_tiles(num_rows, k, num_groups * group, block_n, block_k),
         num_warps=warps,
+        **({"maxnreg": TC_MAX_REGISTERS} if TC_MAX_REGISTERS else {}),
         **pdl_options(x.device),
     )
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)
     return out
+
+
+def whole_tiles(num_rows: int, k: int, padded_k: int, block_n: int, block_k: int) -> bool:
+    """Whether the tensor-core kernel's tiles cover the weight exactly (its loop then loads
+    without masks: about 8 % fewer loop instructions compiled for sm_90). True at every 27B
+    and 35B-A3B product."""
+    return num_rows % block_n == 0 and k == padded_k and k % block_k == 0
 
 
 def tile_counters(device: torch.device, needed: int) -> torch.Tensor | None:

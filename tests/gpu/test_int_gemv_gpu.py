@@ -106,3 +106,24 @@ def test_conv_inside_the_in_projection_at_the_model_shapes(format_name, channels
     assert torch.equal(out[:, :channels], mixed)
     assert torch.equal(out[:, channels:], product[:, channels:])
     assert torch.equal(windows, unfused_windows)
+
+
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize(("n", "k"), [(34816, 5120), (5120, 17408), (5120, 6144)], ids=str)
+def test_whole_tiles_without_masks_give_the_masked_loop_bit_for_bit(
+    monkeypatch, format_name, n, k, m
+):
+    """At the 27B shapes the tensor-core GEMV's loop loads without masks; forcing the masked
+    loop gives the same products."""
+    from ninfer.kernels import groupwise_gemv_triton
+    from ninfer.quant import get_format
+
+    torch.manual_seed(n + m)
+    encoded = get_format(format_name).encode(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    block_n, block_k = groupwise_gemv_triton.TC_CONFIG[format_name][:2]
+    assert groupwise_gemv_triton.whole_tiles(n, k, k, block_n, block_k)
+    whole = groupwise_gemv_triton.groupwise_linear(x, encoded)
+    monkeypatch.setattr(groupwise_gemv_triton, "whole_tiles", lambda *shape: False)
+    assert torch.equal(whole, groupwise_gemv_triton.groupwise_linear(x, encoded))

@@ -145,6 +145,26 @@ def test_groupwise_linear_matches_dequantized_product(interpreted, format_name, 
 
 
 @pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+def test_tensor_core_gemv_on_whole_tiles_loads_without_masks_alike(
+    interpreted, monkeypatch, format_name
+):
+    """Where the tiles cover the weight exactly, the loop loads without masks, bit for bit the
+    masked loop; shapes that do not fit take the masked one."""
+    module = interpreted("groupwise_gemv_triton")
+    block_n, block_k = module.TC_CONFIG[format_name][:2]
+    assert module.whole_tiles(2 * block_n, 2 * block_k, 2 * block_k, block_n, block_k)
+    assert not module.whole_tiles(2 * block_n + 8, 2 * block_k, 2 * block_k, block_n, block_k)
+    assert not module.whole_tiles(2 * block_n, 2 * block_k - 32, 2 * block_k, block_n, block_k)
+    encoded = get_format(format_name).encode(torch.randn(2 * block_n, 2 * block_k) * 0.05)
+    x = torch.randn(5, 2 * block_k).half()
+    whole = module.groupwise_linear(x, encoded)
+    monkeypatch.setattr(module, "whole_tiles", lambda *shape: False)
+    assert torch.equal(whole, module.groupwise_linear(x, encoded))
+    exact = x.float() @ encoded.decode(torch.float16).float().T
+    assert (whole.float() - exact).abs().max() <= 2e-3 * exact.abs().max()
+
+
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
 @pytest.mark.parametrize("counters", [True, False], ids=["counters", "torch-sum"])
 def test_tensor_core_gemv_rounds_the_weight_as_decode_does(interpreted, format_name, counters):
     """More than one x row: every weight becomes exactly decode's value in x's dtype (the fp32

@@ -1,5 +1,5 @@
 """The arithmetic behind the tensor-core GEMV's packed dequantization
-(`groupwise_gemv_triton._BF16_PAIRS_PTX`), checked on the CPU: the PTX text itself, run by a
+(`groupwise_gemv_triton._BF16_HALVES_PTX`), checked on the CPU: the PTX text itself, run by a
 small emulator of its five instructions, decodes every q4 byte at every position of its word
 as `EncodedTensor.decode` does; and for every finite fp16 scale and every code, the scale
 splits into bf16 parts hi + lo exactly, code * lo is exact in bf16, and code * hi + code * lo
@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ninfer.kernels.groupwise_gemv_triton import _BF16_PAIRS_PTX
+from ninfer.kernels.groupwise_gemv_triton import _BF16_HALVES_PTX
 from ninfer.quant import EncodedTensor
 
 MASK = (1 << 32) - 1
@@ -101,8 +101,8 @@ def _pair_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_ptx_decodes_every_byte_at_every_position_as_the_reference():
-    ptx = _BF16_PAIRS_PTX.value
-    assert set(re.findall(r"\$\d+", ptx)) == {f"${i}" for i in range(13)}
+    ptx = _BF16_HALVES_PTX.value
+    assert set(re.findall(r"\$\d+", ptx)) == {f"${i}" for i in range(9)}
     torch.manual_seed(0)
     scales = torch.cat(
         [
@@ -118,13 +118,18 @@ def test_the_ptx_decodes_every_byte_at_every_position_as_the_reference():
     lo = (scales.float() - hi.float()).to(torch.bfloat16)
     shape = (scales.shape[0], words.shape[0])
     operands = {"$4": raw.expand(shape).clone()}
-    for j in range(4):
+    for j in range(2):  # the parts of bytes 0-1, then of bytes 2-3 (one scale per row here)
         operands[f"${5 + j}"] = _pair_bits(hi.view(torch.int16))[:, None].expand(shape).clone()
-        operands[f"${9 + j}"] = _pair_bits(lo.view(torch.int16))[:, None].expand(shape).clone()
+        operands[f"${7 + j}"] = _pair_bits(lo.view(torch.int16))[:, None].expand(shape).clone()
     regs = _run_ptx(ptx, operands)
-    out = torch.stack([regs[f"${j}"] for j in range(4)], dim=-1)  # [S, 256, 4] pairs
-    values = torch.stack([out & 0xFFFF, out >> 16], dim=-1)  # value 2j, then 2j + 1
-    got = values.to(torch.int32).to(torch.int16).view(torch.bfloat16).reshape(scales.shape[0], -1)
+
+    def values(first: str, second: str) -> torch.Tensor:  # [S, 256, 4]: bytes 0-3 of a word
+        pairs = torch.stack([regs[first], regs[second]], dim=-1)
+        return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(*shape, 4)
+
+    # value 2j is byte j's low nibble's, 2j + 1 its high nibble's
+    got = torch.stack([values("$0", "$1"), values("$2", "$3")], dim=-1)
+    got = got.to(torch.int32).to(torch.int16).view(torch.bfloat16).reshape(scales.shape[0], -1)
 
     # the reference: every scale's row holds the 1024 bytes, 16 groups of 32 bytes
     codes = bytes_.reshape(1, -1).expand(scales.shape[0], -1).to(torch.uint8).contiguous()
@@ -135,7 +140,7 @@ def test_the_ptx_decodes_every_byte_at_every_position_as_the_reference():
         {"codes": codes, "scales": scales[:, None].expand(-1, 32).contiguous()},
     )
     want = encoded.decode(torch.bfloat16)
-    # bit for bit, except that a zero's sign may differ (`_bf16_pairs`); + 0.0 makes -0 +0
+    # bit for bit, except that a zero's sign may differ (`_bf16_halves`); + 0.0 makes -0 +0
     assert torch.equal((got + 0.0).view(torch.int16), (want + 0.0).view(torch.int16))
     assert torch.equal(got, want)
 
