@@ -11,7 +11,7 @@ are ignored. Programmatic dependent launch is on, as on an H100/H200.
     python tools/gpu/compile_check.py [--capability 90] [-k NAME] [--sass]
 
 With --sass, each compiled kernel also gets a line read from its SASS: registers, local
-memory (spills), and the instructions of its longest loop (the body of its longest backward
+memory (spills), its instructions, and the instructions of its longest loop (the body of its longest backward
 branch) with the most frequent opcodes; the way to see what a change to a kernel's inner loop
 costs before timing it.
 
@@ -141,7 +141,7 @@ def sass_summary(cubin: bytes) -> str:
     loop = f"longest loop {len(longest)} instructions: {mix}" if longest else "no loop"
     return (
         f"registers {registers.group(1) if registers else '?'}, local "
-        f"{local.group(1) if local else '?'} B, {loop}"
+        f"{local.group(1) if local else '?'} B, {len(lines)} instructions, {loop}"
     )
 
 
