@@ -333,7 +333,7 @@ def split_values(
 
 @triton.jit
 def split_block(
-    x_row,
+    values,
     width,
     block_index,
     m,
@@ -343,28 +343,25 @@ def split_block(
     BLOCK: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
 ):
-    """For a kernel that has just stored columns [block_index * BLOCK, + BLOCK) of x row m
-    (BLOCK a multiple of GROUP * BLOCK_G): their split, read back as stored once every thread
-    of the program has stored its part."""
-    tl.debug_barrier()
+    """For a kernel that writes columns [block_index * BLOCK, + BLOCK) of x row m: their split,
+    from `values`, those columns as stored (rounded to x's dtype; zeros past the row's end)
+    in any shape of BLOCK values in column order. BLOCK holds a power of two of whole groups
+    (`x_split.blocks_hold_groups`)."""
     per_block: tl.constexpr = BLOCK // GROUP
-    for first in tl.static_range(0, per_block, BLOCK_G):
-        groups = block_index * per_block + first + tl.arange(0, BLOCK_G)
-        split_groups(
-            x_row,
-            width,
-            width // GROUP,
-            groups,
-            m,
-            xq_ptr,
-            corr_ptr,
-            xscale_ptr,
-            BITS,
-            GROUP,
-            BLOCK_G,
-        )
+    groups = block_index * per_block + tl.arange(0, per_block)
+    split_values(
+        tl.reshape(values.to(tl.float32), [per_block, GROUP]),
+        groups,
+        width // GROUP,
+        m,
+        xq_ptr,
+        corr_ptr,
+        xscale_ptr,
+        BITS,
+        GROUP,
+        per_block,
+    )
 
 
 @triton.jit
