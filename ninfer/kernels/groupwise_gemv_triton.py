@@ -247,28 +247,6 @@ def _bf16_pairs(raw, scale):
 
 
 @triton.jit
-def split_groups(
-    x_row,
-    K,
-    num_groups,
-    groups,
-    m,
-    xq_ptr,
-    corr_ptr,
-    xscale_ptr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    """Split groups `groups` ([BLOCK_G] indices) of GROUP values of x row m, read at x_row
-    (`split_values`)."""
-    group_mask = groups < num_groups
-    ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(x_row + ks, mask=group_mask[:, None] & (ks < K), other=0.0).to(tl.float32)
-    split_values(x, groups, num_groups, m, xq_ptr, corr_ptr, xscale_ptr, BITS, GROUP, BLOCK_G)
-
-
-@triton.jit
 def split_values(
     x,
     groups,
@@ -381,19 +359,10 @@ def _quantize_x_kernel(
     await_inputs(PDL)
     m = tl.program_id(1).to(tl.int64)
     groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    split_groups(
-        x_ptr + m * stride_xm,
-        K,
-        num_groups,
-        groups,
-        m,
-        xq_ptr,
-        corr_ptr,
-        xscale_ptr,
-        BITS,
-        GROUP,
-        BLOCK_G,
-    )
+    ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    live = (groups < num_groups)[:, None] & (ks < K)
+    x = tl.load(x_ptr + m * stride_xm + ks, mask=live, other=0.0).to(tl.float32)
+    split_values(x, groups, num_groups, m, xq_ptr, corr_ptr, xscale_ptr, BITS, GROUP, BLOCK_G)
 
 
 @triton.jit
