@@ -108,3 +108,14 @@ def test_rms_norm_split_in_parts_writes_the_rows_it_writes_unsplit(fmt, width):
     split = attached(normed, request.bits, request.group, width // request.group)
     codes, _, steps = gemv.split_x(plain_normed, request.bits, request.group, width)
     assert torch.equal(split.codes, codes) and torch.equal(split.steps, steps)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("produce", PRODUCERS, ids=lambda f: f.__name__)
+def test_writing_the_codes_leaves_the_output_as_it_was(produce, fmt):
+    """The codes come from the output's values in registers: the output itself is the same
+    bit for bit with and without them."""
+    torch.manual_seed(1)
+    with_codes = produce(SplitRequest.for_format(fmt), 1)
+    torch.manual_seed(1)
+    assert torch.equal(with_codes, produce(None, 1))
