@@ -120,11 +120,16 @@ def producer_buffers(
     programs of `block` columns that do not cover a power of two of whole groups)."""
     if request is None or not request.wanted(rows, width):
         return None
-    if block is not None:
-        groups = block // request.group
-        if block % request.group or groups & (groups - 1):
-            return None
+    if block is not None and not blocks_hold_groups(request, block):
+        return None
     return split_buffers(rows, width, request.group, device)
+
+
+def blocks_hold_groups(request: SplitRequest, block: int) -> bool:
+    """Whether programs of `block` columns each cover a power of two of whole groups, as a
+    producer that writes its own columns' codes needs."""
+    groups = block // request.group
+    return block % request.group == 0 and groups > 0 and groups & (groups - 1) == 0
 
 
 def split_launch_args(
