@@ -25,7 +25,7 @@ from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.triton_support import HAS_TRITON, use_triton
-from ninfer.kernels.x_split import SplitRequest
+from ninfer.kernels.x_split import SplitRequest, blocks_hold_groups
 from ninfer.quant import EncodedTensor
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -52,6 +52,42 @@ def paged_attention_decode(
     return attention_reference.paged_attention_decode(
         q, k_cache, v_cache, page_table, seq_lens, scale
     )
+
+
+def paged_attention_decode_gated(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gate: torch.Tensor,
+    split: SplitRequest | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """`sigmoid_gate(paged_attention_decode(...), gate, split)`, [B, heads * head_dim]. On
+    CUDA one kernel fewer: the attention's merge kernel applies the gate (and writes o_proj's
+    codes where a head holds whole groups of them; else the two kernels run)."""
+    rows, heads, head_dim = q.shape
+    if (
+        use_triton(q, k_cache, gate)
+        and q.dtype in _HALF
+        and k_cache.dtype == q.dtype
+        and gate.dtype == q.dtype
+        and gate.stride(-1) == 1
+        and (
+            split is None
+            or not split.wanted(rows, heads * head_dim)
+            or blocks_hold_groups(split, head_dim)
+        )
+    ):
+        from ninfer.kernels import paged_attention_triton
+
+        return paged_attention_triton.paged_attention_decode_gated(
+            q, k_cache, v_cache, page_table, seq_lens, scale, gate, split, max_seq_len
+        )
+    out = paged_attention_decode(q, k_cache, v_cache, page_table, seq_lens, scale, max_seq_len)
+    return sigmoid_gate(out, gate, split)
 
 
 def paged_attention_prefill(

@@ -41,7 +41,6 @@ def _gated_rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
     SPLIT_GROUP: tl.constexpr,
-    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -62,25 +61,23 @@ def _gated_rms_norm_kernel(
     if ROUND_SCALED:
         scaled = scaled.to(dtype).to(tl.float32)
     z = tl.load(z_ptr + z_offsets, mask=mask, other=0.0).to(tl.float32)
-    out = scaled * (z * tl.sigmoid(z))
-    tl.store(out_ptr + row[:, None] * dim + cols[None, :], out.to(dtype), mask=mask)
+    out = (scaled * (z * tl.sigmoid(z))).to(dtype)
+    tl.store(out_ptr + row[:, None] * dim + cols[None, :], out, mask=mask)
     if SPLIT_BITS != 0:
         # The program's rows are BLOCK_ROWS heads of one token (the caller checks that they
         # tile the heads and that dim = BLOCK_D): columns of that token's [heads * dim] row.
         first = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
-        token_row = first // heads
         split_block(
-            out_ptr + token_row * heads * dim,
+            out,
             heads * dim,
             (first % heads) // BLOCK_ROWS,
-            token_row,
+            first // heads,
             xq_ptr,
             corr_ptr,
             xscale_ptr,
             BLOCK_ROWS * BLOCK_D,
             SPLIT_BITS,
             SPLIT_GROUP,
-            SPLIT_BLOCK_G,
         )
 
 

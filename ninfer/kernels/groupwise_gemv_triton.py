@@ -255,11 +255,10 @@ def _bf16_halves(raw, scale):
 
 
 @triton.jit
-def split_groups(
-    x_row,
-    K,
-    num_groups,
+def split_values(
+    x,
     groups,
+    num_groups,
     m,
     xq_ptr,
     corr_ptr,
@@ -268,57 +267,59 @@ def split_groups(
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
 ):
-    """Split groups `groups` ([BLOCK_G] indices) of GROUP values of x row m, read at x_row,
-    into coarse + fine int8 codes, x ~ s * (254 * coarse + fine), and pack them in the weight
-    words' value order (written to row m of the split buffers, `x_split.split_buffers`): word t of
-    parity p holds bytes i = 0..3 of values t * per_word + i * stride + p (q4: the low nibbles
-    of a word are its even values, the high nibbles its odd ones)."""
+    """Split the values x [BLOCK_G, GROUP] (fp32; zeros past the row's end) of groups `groups`
+    of x row m into coarse + fine int8 codes, x ~ s * (254 * coarse + fine), and pack them in
+    the weight words' value order (written to row m of the split buffers,
+    `x_split.split_buffers`): word t of parity p holds bytes i = 0..3 of values t * per_word +
+    i * stride + p (q4: the low nibbles of a word are its even values, the high nibbles its odd
+    ones), so the group's values are [words, 4, parities] in order and a word is a sum over
+    its four bytes."""
     group_mask = groups < num_groups
-    ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(x_row + ks, mask=group_mask[:, None] & (ks < K), other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     step = amax * (1.0 / (FINE * FINE_MAX))  # one fine unit; a coarse unit is FINE of them
     inv_fine = tl.where(amax > 0, (FINE * FINE_MAX) / tl.where(amax > 0, amax, 1.0), 0.0)
     inv_coarse = inv_fine * (1.0 / FINE)
     coarse_step = step * FINE
     per_word: tl.constexpr = 32 // BITS
-    stride: tl.constexpr = 2 if BITS == 4 else 1
     parities: tl.constexpr = 2 if BITS == 4 else 1
     words_per_group: tl.constexpr = GROUP // per_word
+    v = tl.reshape(x, [BLOCK_G, words_per_group, 4, parities])
+    coarse = tl.floor(v * inv_coarse[:, None, None, None] + 0.5)
+    coarse = tl.minimum(tl.maximum(coarse, -FINE_MAX), FINE_MAX)
+    rest = v - coarse * coarse_step[:, None, None, None]
+    fine = tl.floor(rest * inv_fine[:, None, None, None] + 0.5)
+    fine = tl.minimum(tl.maximum(fine, -FINE_MAX), FINE_MAX)
+    c = coarse.to(tl.int32)
+    f = fine.to(tl.int32)
+    shifts = (8 * tl.arange(0, 4))[None, None, :, None]
+    packed_coarse = tl.sum((c & 0xFF) << shifts, axis=2)  # [BLOCK_G, words, parities]
+    packed_fine = tl.sum((f & 0xFF) << shifts, axis=2)
     words = groups[:, None] * words_per_group + tl.arange(0, words_per_group)[None, :]
     words_per_row = num_groups * words_per_group
     level = parities * words_per_row
     out = xq_ptr + m * (2 * level) + words
     live = group_mask[:, None]
-    sums = tl.zeros([BLOCK_G, words_per_group], tl.int32)
-    for p in tl.static_range(parities):
-        packed_coarse = tl.zeros([BLOCK_G, words_per_group], tl.int32)
-        packed_fine = tl.zeros([BLOCK_G, words_per_group], tl.int32)
-        for i in tl.static_range(4):
-            k = words * per_word + i * stride + p
-            v = tl.load(x_row + k, mask=live & (k < K), other=0.0).to(tl.float32)
-            coarse = tl.floor(v * inv_coarse[:, None] + 0.5)
-            coarse = tl.minimum(tl.maximum(coarse, -FINE_MAX), FINE_MAX)
-            rest = v - coarse * coarse_step[:, None]
-            fine = tl.floor(rest * inv_fine[:, None] + 0.5)
-            fine = tl.minimum(tl.maximum(fine, -FINE_MAX), FINE_MAX)
-            c = coarse.to(tl.int32)
-            f = fine.to(tl.int32)
-            sums += c * FINE + f
-            packed_coarse |= (c & 0xFF) << (8 * i)
-            packed_fine |= (f & 0xFF) << (8 * i)
-        tl.store(out + p * words_per_row, packed_coarse, mask=live)
-        tl.store(out + level + p * words_per_row, packed_fine, mask=live)
+    if parities == 2:
+        coarse_even, coarse_odd = tl.split(packed_coarse)
+        fine_even, fine_odd = tl.split(packed_fine)
+        tl.store(out, coarse_even, mask=live)
+        tl.store(out + words_per_row, coarse_odd, mask=live)
+        tl.store(out + level, fine_even, mask=live)
+        tl.store(out + level + words_per_row, fine_odd, mask=live)
+    else:
+        tl.store(out, tl.reshape(packed_coarse, [BLOCK_G, words_per_group]), mask=live)
+        tl.store(out + level, tl.reshape(packed_fine, [BLOCK_G, words_per_group]), mask=live)
     x_groups = m * num_groups + groups
     tl.store(xscale_ptr + x_groups, step, mask=group_mask)
     if BITS == 4:
         # the q4 codes are read as u = code + 8: sum(u * x) - 8 * sum(x) = sum(code * x)
-        tl.store(corr_ptr + x_groups, 8 * tl.sum(sums, axis=1), mask=group_mask)
+        sums = tl.sum(tl.reshape(c * FINE + f, [BLOCK_G, GROUP]), axis=1)
+        tl.store(corr_ptr + x_groups, 8 * sums, mask=group_mask)
 
 
 @triton.jit
 def split_block(
-    x_row,
+    values,
     width,
     block_index,
     m,
@@ -328,28 +329,25 @@ def split_block(
     BLOCK: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
 ):
-    """For a kernel that has just stored columns [block_index * BLOCK, + BLOCK) of x row m
-    (BLOCK a multiple of GROUP * BLOCK_G): their split, read back as stored once every thread
-    of the program has stored its part."""
-    tl.debug_barrier()
+    """For a kernel that writes columns [block_index * BLOCK, + BLOCK) of x row m: their split,
+    from `values`, those columns as stored (rounded to x's dtype; zeros past the row's end)
+    in any shape of BLOCK values in column order. BLOCK holds a power of two of whole groups
+    (`x_split.blocks_hold_groups`)."""
     per_block: tl.constexpr = BLOCK // GROUP
-    for first in tl.static_range(0, per_block, BLOCK_G):
-        groups = block_index * per_block + first + tl.arange(0, BLOCK_G)
-        split_groups(
-            x_row,
-            width,
-            width // GROUP,
-            groups,
-            m,
-            xq_ptr,
-            corr_ptr,
-            xscale_ptr,
-            BITS,
-            GROUP,
-            BLOCK_G,
-        )
+    groups = block_index * per_block + tl.arange(0, per_block)
+    split_values(
+        tl.reshape(values.to(tl.float32), [per_block, GROUP]),
+        groups,
+        width // GROUP,
+        m,
+        xq_ptr,
+        corr_ptr,
+        xscale_ptr,
+        BITS,
+        GROUP,
+        per_block,
+    )
 
 
 @triton.jit
@@ -369,19 +367,10 @@ def _quantize_x_kernel(
     await_inputs(PDL)
     m = tl.program_id(1).to(tl.int64)
     groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    split_groups(
-        x_ptr + m * stride_xm,
-        K,
-        num_groups,
-        groups,
-        m,
-        xq_ptr,
-        corr_ptr,
-        xscale_ptr,
-        BITS,
-        GROUP,
-        BLOCK_G,
-    )
+    ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    live = (groups < num_groups)[:, None] & (ks < K)
+    x = tl.load(x_ptr + m * stride_xm + ks, mask=live, other=0.0).to(tl.float32)
+    split_values(x, groups, num_groups, m, xq_ptr, corr_ptr, xscale_ptr, BITS, GROUP, BLOCK_G)
 
 
 @triton.jit

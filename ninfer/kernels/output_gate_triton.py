@@ -34,7 +34,6 @@ def _sigmoid_gate_kernel(
     BLOCK: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
     SPLIT_GROUP: tl.constexpr,
-    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -46,11 +45,11 @@ def _sigmoid_gate_kernel(
     attn = tl.load(attn_ptr + token * stride_attn + cols, mask=mask, other=0.0)
     # rounded to the activation dtype before the product, as torch.sigmoid's output is
     sig = tl.sigmoid(gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    out = attn.to(tl.float32) * sig.to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (attn.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_out + cols, out, mask=mask)
     if SPLIT_BITS != 0:  # this block's integer-GEMV codes (x_split.py)
         split_block(
-            out_ptr + token * stride_out,
+            out,
             width,
             tl.program_id(1),
             token,
@@ -60,7 +59,6 @@ def _sigmoid_gate_kernel(
             BLOCK,
             SPLIT_BITS,
             SPLIT_GROUP,
-            SPLIT_BLOCK_G,
         )
 
 

@@ -5,6 +5,11 @@ once, so every K/V byte is read once) and a run of pages, and keeps an online so
 kernel merges the runs by their maxima and sums. At batch 1 the splits are what fill the GPU.
 Scores and softmax are fp32; p is cast to the cache dtype for the P·V product.
 Reference: `paged_attention.paged_attention_decode` (same signature, `max_seq_len` aside).
+
+`paged_attention_decode_gated` also applies the gated-attention output gate in the merge
+kernel: a merge program finishes one head of one sequence, so it multiplies by sigmoid(gate)
+and writes o_proj's integer-GEMV codes for that head's groups alone (one launch fewer per
+attention layer than the merge followed by `output_gate_triton.sigmoid_gate`, same roundings).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import triton
 import triton.language as tl
 
 from ninfer.engine.kv_pool import PAGE_SIZE
+from ninfer.kernels.groupwise_gemv_triton import split_block
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 LOG2E = 1.4426950408889634
 SPLIT_WAVES = 2  # programs per SM the split aims for (measured: 2 a little ahead of 4, 8 slower)
@@ -116,10 +123,22 @@ def _decode_merge_kernel(
     stride_ob,
     stride_oh,
     num_splits,
+    gate_ptr,
+    stride_gb,
+    stride_gh,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    GATED: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """out[seq, head] = the runs merged; with GATED, times sigmoid(gate[seq, head]), each
+    rounded to out's dtype as the separate kernels round them (out is then [B, heads *
+    HEAD_DIM], stride_oh = HEAD_DIM), and with SPLIT_BITS the head's integer-GEMV codes."""
     await_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -137,7 +156,26 @@ def _decode_merge_kernel(
         other=0.0,
     )
     out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    out = out.to(out_ptr.dtype.element_ty)
+    if GATED:
+        gate = tl.load(gate_ptr + seq * stride_gb + head * stride_gh + dims)
+        # rounded to the activation dtype before the product, as torch.sigmoid's output is
+        sig = tl.sigmoid(gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out)
+    if SPLIT_BITS != 0:  # this head's integer-GEMV codes (x_split.py)
+        split_block(
+            out,
+            tl.num_programs(1) * HEAD_DIM,
+            head,
+            seq,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            HEAD_DIM,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+        )
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_pages: int, device: torch.device):
@@ -161,13 +199,58 @@ def paged_attention_decode(
     """q: [B, nh, d] in the cache dtype; caches [num_pages, 64, nkv, d] with unit stride on d.
     `max_seq_len` (a host int, at least every seq_len) sizes the split; without it the launcher
     reads it from the device. Returns [B, nh, d] in q's dtype."""
+    return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, max_seq_len)
+
+
+def paged_attention_decode_gated(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gate: torch.Tensor,
+    split: SplitRequest | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention_decode` followed by `output_gate_triton.sigmoid_gate(out, gate, split)`
+    in one merge kernel, bit for bit: gate [B, nh, d] with unit stride on d. Returns [B, nh *
+    d] in q's dtype, carrying o_proj's codes when `split` asks for them."""
+    num_seqs, num_heads, head_dim = q.shape
+    if tuple(gate.shape) != (num_seqs, num_heads, head_dim) or gate.stride(2) != 1:
+        raise ValueError(f"gate {tuple(gate.shape)} does not match the query {tuple(q.shape)}")
+    out = torch.empty(num_seqs, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    buffers = producer_buffers(split, num_seqs, num_heads * head_dim, out.device, head_dim)
+    _decode(
+        q, k_cache, v_cache, page_table, seq_lens, scale, max_seq_len, out, gate, split, buffers
+    )
+    if buffers is not None:
+        attach(out, split, buffers)
+    return out
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+    out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    split: SplitRequest | None = None,
+    buffers: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """The split and merge launches; with `gate`, into out [B, nh * d], gated and split."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("paged attention needs unit stride along head_dim")
     if head_dim != next_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     if num_seqs == 0:
         return out
     if max_seq_len is None:
@@ -209,16 +292,23 @@ def paged_attention_decode(
         num_stages=2,
         **pdl_options(q.device),
     )
+    split_args, split_constants = split_launch_args(split, buffers, out, head_dim)
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out,
         part_max,
         part_sum,
         out,
         out.stride(0),
-        out.stride(1),
+        head_dim if gate is not None else out.stride(1),
         num_splits,
+        gate if gate is not None else out,
+        gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0,
+        *split_args,
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
+        GATED=gate is not None,
+        **split_constants,
         num_warps=4,
         **pdl_options(part_out.device),
     )

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.groupwise_gemv_triton import split_groups
+from ninfer.kernels.groupwise_gemv_triton import split_values
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
@@ -53,30 +53,38 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
-    own = mask  # the columns this program writes: the whole row, or its part when splitting
-    if SPLIT_BITS != 0:
-        part_width: tl.constexpr = SPLIT_GROUP * SPLIT_BLOCK_G
-        first_col = tl.program_id(1) * part_width
-        own = mask & (cols >= first_col) & (cols < first_col + part_width)
     x_row = x_ptr + (row // heads) * stride_x + (row % heads) * stride_x_head
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         total = (x + residual.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
-        tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=own)
         x = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x * inv_rms * (1.0 + weight)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=own)
-    if SPLIT_BITS != 0:  # this part's integer-GEMV codes, read back as stored (x_split.py)
-        tl.debug_barrier()
+    if SPLIT_BITS == 0:
+        if HAS_RESIDUAL:
+            tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=mask)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = x * inv_rms * (1.0 + weight)
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # this program's part of the row, SPLIT_BLOCK_G groups, as [groups, values]: its sum,
+        # output and integer-GEMV codes (x_split.py) from the same arithmetic, in registers
         groups = tl.program_id(1) * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
-        split_groups(
-            out_ptr + row * stride_out,
-            dim,
-            dim // SPLIT_GROUP,
+        part = groups[:, None] * SPLIT_GROUP + tl.arange(0, SPLIT_GROUP)[None, :]
+        part_mask = part < dim
+        xp = tl.load(x_row + part, mask=part_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            rp = tl.load(residual_ptr + row * stride_residual + part, mask=part_mask, other=0.0)
+            total_part = (xp + rp.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
+            tl.store(sum_out_ptr + row * stride_sum + part, total_part, mask=part_mask)
+            xp = total_part.to(tl.float32)
+        weight = tl.load(weight_ptr + part, mask=part_mask, other=0.0).to(tl.float32)
+        y = (xp * inv_rms * (1.0 + weight)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_out + part, y, mask=part_mask)
+        split_values(
+            y.to(tl.float32),
             groups,
+            dim // SPLIT_GROUP,
             row,
             xq_ptr,
             corr_ptr,

@@ -35,7 +35,6 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
     SPLIT_GROUP: tl.constexpr,
-    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -44,11 +43,11 @@ def _silu_mul_kernel(
     mask = cols < n
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
     if SPLIT_BITS != 0:  # this block's integer-GEMV codes (x_split.py)
         split_block(
-            out_ptr + row * stride_o,
+            out,
             n,
             tl.program_id(1),
             row,
@@ -58,7 +57,6 @@ def _silu_mul_kernel(
             BLOCK,
             SPLIT_BITS,
             SPLIT_GROUP,
-            SPLIT_BLOCK_G,
         )
 
 

@@ -2,8 +2,10 @@
 x (`groupwise_gemv_triton`), and splitting x into them was one more small launch before every
 product: 256 per 27B decode step. The kernels that write a GEMV's input (RMSNorm, the SwiGLU
 product, the attention output gate, the GDN gated norm) write the codes beside their output
-when asked with a `SplitRequest`, and attach them to it; the GEMV takes attached codes of its
-own format and splits x itself otherwise, so nothing depends on them being there.
+when asked with a `SplitRequest`, from the values in their registers
+(`groupwise_gemv_triton.split_values`: no store and read-back), and attach them to it; the
+GEMV takes attached codes of its own format and splits x itself otherwise, so nothing
+depends on them being there.
 
 Codes are trusted only while x is unchanged: a write into x, or into a view of it, after they
 were attached bumps the tensor's version and they are ignored. Tensors made under
@@ -23,7 +25,7 @@ INT_FORMATS = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
 # Up to this many x rows a dense product runs the integer kernel; beyond it the tensor-core
 # kernel, which reads x itself (bench/decode_kernels.md).
 INT_MAX_ROWS = 1
-# Groups of x one program of a split handles at a time.
+# Groups of x one program of the split kernel, or of a norm writing codes, handles.
 SPLIT_BLOCK_GROUPS = 16
 _ATTRIBUTE = "_ninfer_x_split"
 # The live tensors that carry a split, by device and address: a tensor's memory is its own
@@ -118,11 +120,16 @@ def producer_buffers(
     programs of `block` columns that do not cover a power of two of whole groups)."""
     if request is None or not request.wanted(rows, width):
         return None
-    if block is not None:
-        groups = block // request.group
-        if block % request.group or groups & (groups - 1):
-            return None
+    if block is not None and not blocks_hold_groups(request, block):
+        return None
     return split_buffers(rows, width, request.group, device)
+
+
+def blocks_hold_groups(request: SplitRequest, block: int) -> bool:
+    """Whether programs of `block` columns each cover a power of two of whole groups, as a
+    producer that writes its own columns' codes needs."""
+    groups = block // request.group
+    return block % request.group == 0 and groups > 0 and groups & (groups - 1) == 0
 
 
 def split_launch_args(
@@ -132,12 +139,11 @@ def split_launch_args(
     block: int | None = None,
 ) -> tuple[tuple, dict]:
     """The producer kernels' split arguments: (codes, corr, steps) pointers (`placeholder`
-    when none are written) and their SPLIT_BITS (0: write none), SPLIT_GROUP and
-    SPLIT_BLOCK_G constants (groups split at a time: at most the groups of one program's
-    `block` columns, so that a program reads back only what it stored)."""
+    when none are written) and their SPLIT_BITS (0: write none) and SPLIT_GROUP constants. A
+    producer whose programs write blocks of `block` columns splits each block whole
+    (`split_block`); one without (`block` None: the norm, which splits a row in parts) also
+    gets SPLIT_BLOCK_G, the groups of a part."""
+    parts = {} if block is not None else {"SPLIT_BLOCK_G": SPLIT_BLOCK_GROUPS}
     if buffers is None:
-        constants = {"SPLIT_BITS": 0, "SPLIT_GROUP": 64, "SPLIT_BLOCK_G": SPLIT_BLOCK_GROUPS}
-        return (placeholder, placeholder, placeholder), constants
-    per_block = SPLIT_BLOCK_GROUPS if block is None else block // request.group
-    constants = {"SPLIT_BITS": request.bits, "SPLIT_GROUP": request.group}
-    return buffers, constants | {"SPLIT_BLOCK_G": min(SPLIT_BLOCK_GROUPS, per_block)}
+        return (placeholder, placeholder, placeholder), {"SPLIT_BITS": 0, "SPLIT_GROUP": 64} | parts
+    return buffers, {"SPLIT_BITS": request.bits, "SPLIT_GROUP": request.group} | parts

@@ -45,6 +45,44 @@ def test_paged_decode_attention(seq_lens, num_heads, num_kv_heads):
     )
 
 
+@pytest.mark.parametrize("seq_lens", [[1], [300], [65, 3, 128, 4000, 9000]], ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(24, 4), (16, 2)])
+@pytest.mark.parametrize("fmt", [None, "q4_g64_fp16", "q8_g32_fp16"])
+def test_paged_decode_attention_with_the_gate_in_the_merge(seq_lens, num_heads, num_kv_heads, fmt):
+    """Bit for bit the attention followed by the output-gate kernel, o_proj's codes included
+    (one sequence: the codes are written for the integer GEMV's one row)."""
+    from ninfer.kernels import output_gate_triton, paged_attention_triton
+    from ninfer.kernels.x_split import SplitRequest, attached
+
+    pages_each = [(n + 63) // 64 for n in seq_lens]
+    num_pages = sum(pages_each) + 5
+    k_cache, v_cache = (
+        torch.randn(num_pages, 64, num_kv_heads, 256, device="cuda", dtype=BF16) for _ in range(2)
+    )
+    order = torch.randperm(num_pages).tolist()
+    page_table = torch.full((len(seq_lens), max(pages_each)), -1, dtype=torch.int32)
+    for i, count in enumerate(pages_each):
+        page_table[i, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    page_table = page_table.cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query_gate = torch.randn(len(seq_lens), num_heads, 512, device="cuda", dtype=BF16)
+    q, gate = query_gate[..., :256].contiguous(), query_gate[..., 256:]
+    request = SplitRequest.for_format(fmt) if fmt else None
+    args = (q, k_cache, v_cache, page_table, lens, 256**-0.5)
+    fused = paged_attention_triton.paged_attention_decode_gated(*args, gate, request, max(seq_lens))
+    attn = paged_attention_triton.paged_attention_decode(*args, max(seq_lens))
+    separate = output_gate_triton.sigmoid_gate(attn, gate, request)
+    assert torch.equal(fused, separate)
+    if request is not None and len(seq_lens) == 1:
+        groups = fused.shape[1] // request.group
+        mine = attached(fused, request.bits, request.group, groups)
+        theirs = attached(separate, request.bits, request.group, groups)
+        assert torch.equal(mine.codes, theirs.codes) and torch.equal(mine.steps, theirs.steps)
+        if request.bits == 4:
+            assert torch.equal(mine.corr, theirs.corr)
+
+
 @pytest.mark.parametrize("query_lens", [[1], [1] * 8, [1] * 33, [2, 1, 4]])
 @pytest.mark.parametrize(("num_key_heads", "num_value_heads"), [(16, 48), (16, 32), (4, 4)])
 def test_gdn_recurrent(query_lens, num_key_heads, num_value_heads):

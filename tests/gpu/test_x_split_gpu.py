@@ -68,3 +68,14 @@ def test_producer_split_is_the_split_of_its_output(produce, fmt):
         assert torch.equal(split.corr, corr)
     weight = get_format(fmt).encode(torch.randn(512, k, device="cuda") * 0.02)
     assert torch.equal(gemv.groupwise_linear(x, weight), gemv.groupwise_linear(x.clone(), weight))
+
+
+@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("produce", [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm], ids=str)
+def test_writing_the_codes_leaves_the_output_as_it_was(produce, fmt):
+    """The codes come from the output's values in registers: the output itself is the same
+    bit for bit with and without them."""
+    torch.manual_seed(1)
+    with_codes = produce(SplitRequest.for_format(fmt))
+    torch.manual_seed(1)
+    assert torch.equal(with_codes, produce(None))

@@ -1,9 +1,9 @@
 """Producers of an integer GEMV's input write its codes beside it (`kernels/x_split.py`),
 under Triton's CPU interpreter: RMSNorm(+residual), the SwiGLU product, the attention output
-gate and the GDN gated norm each attach exactly what the split kernel makes of their output
-(in the consumer's shape), nothing when not asked or over more rows than the GEMV takes, and
-the GEMV then computes the same product without splitting x again. fp16 here
-(tests/triton_interpreter.py says why)."""
+gate (alone, and in the decode attention's merge kernel) and the GDN gated norm each attach
+exactly what the split kernel makes of their output (in the consumer's shape), nothing when
+not asked or over more rows than the GEMV takes, and the GEMV then computes the same product
+without splitting x again. fp16 here (tests/triton_interpreter.py says why)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,19 @@ def gated_rms_norm(request, tokens):
     )
 
 
-PRODUCERS = [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm]
+def gated_attention(request, tokens):
+    module = load_kernel_module("paged_attention_triton")
+    pages = torch.arange(tokens * 2, dtype=torch.int32).reshape(tokens, 2)
+    k_cache, v_cache = (torch.randn(tokens * 2, 64, 2, 256).to(DTYPE) for _ in range(2))
+    query_gate = torch.randn(tokens, 8, 2 * 256).to(DTYPE)
+    lens = torch.full((tokens,), 100, dtype=torch.int32)
+    query, gate = query_gate[..., :256].contiguous(), query_gate[..., 256:]
+    return module.paged_attention_decode_gated(
+        query, k_cache, v_cache, pages, lens, 256**-0.5, gate, request
+    )
+
+
+PRODUCERS = [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm, gated_attention]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -108,3 +120,14 @@ def test_rms_norm_split_in_parts_writes_the_rows_it_writes_unsplit(fmt, width):
     split = attached(normed, request.bits, request.group, width // request.group)
     codes, _, steps = gemv.split_x(plain_normed, request.bits, request.group, width)
     assert torch.equal(split.codes, codes) and torch.equal(split.steps, steps)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("produce", PRODUCERS, ids=lambda f: f.__name__)
+def test_writing_the_codes_leaves_the_output_as_it_was(produce, fmt):
+    """The codes come from the output's values in registers: the output itself is the same
+    bit for bit with and without them."""
+    torch.manual_seed(1)
+    with_codes = produce(SplitRequest.for_format(fmt), 1)
+    torch.manual_seed(1)
+    assert torch.equal(with_codes, produce(None, 1))

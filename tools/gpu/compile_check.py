@@ -195,6 +195,23 @@ def cases():
             torch.randn(1, 5120, dtype=BF16), weight, taps, windows, slot
         )
 
+    def gated_decode_attention():
+        pages = torch.arange(8, dtype=torch.int32).reshape(1, 8)
+        k_cache, v_cache = (torch.randn(8, 64, 4, 256, dtype=BF16) for _ in range(2))
+        query_gate = torch.randn(1, 24, 512, dtype=BF16)
+        lens = torch.tensor([300], dtype=torch.int32)
+        paged_attention_triton.paged_attention_decode_gated(
+            query_gate[..., :256].contiguous(),
+            k_cache,
+            v_cache,
+            pages,
+            lens,
+            0.0625,
+            query_gate[..., 256:],
+            split,
+            300,
+        )
+
     def moe_routing():
         moe_routing_triton.moe_route(torch.randn(1, 256, dtype=BF16), 8, BF16, 0, 256, True)
         choices, shared = torch.randn(1, 8, 2048, dtype=BF16), torch.randn(1, 2048, dtype=BF16)
@@ -205,6 +222,7 @@ def cases():
     return [
         ("paged decode attention", lambda: kc.check_paged_attention(
             paged_attention_triton, [1, 300], 24, 4, 256, BF16, cpu, 1e-2)),
+        ("paged decode attention with the output gate", gated_decode_attention),
         ("paged prefill attention", lambda: kc.check_paged_prefill_attention(
             paged_attention_prefill_triton, [0, 40], [17, 64], 24, 4, 256, BF16, cpu, 1e-2)),
         ("kv write", lambda: kc.check_kv_write(kv_write_triton, 8, 4, 256, BF16, cpu)),

@@ -8,7 +8,7 @@ from torch import nn
 
 from ninfer.kernels.dispatch import (
     attention_prelude,
-    paged_attention_decode,
+    paged_attention_decode_gated,
     paged_attention_prefill,
     sigmoid_gate,
 )
@@ -83,18 +83,27 @@ class Attention(nn.Module):
         )
         scale = self.head_dim**-0.5
         if ctx.is_decode:
-            out = paged_attention_decode(
-                query, k_cache, v_cache, ctx.page_table, ctx.seq_lens, scale, ctx.max_seq_len
-            )
-        else:
-            out = paged_attention_prefill(
+            # the output gate (and o_proj's codes) in the attention's own merge step
+            gated = paged_attention_decode_gated(
                 query,
                 k_cache,
                 v_cache,
                 ctx.page_table,
-                ctx.query_start,
-                ctx.context_lens,
                 ctx.seq_lens,
                 scale,
+                gate,
+                self.o_split,
+                ctx.max_seq_len,
             )
+            return self.o_proj(gated)
+        out = paged_attention_prefill(
+            query,
+            k_cache,
+            v_cache,
+            ctx.page_table,
+            ctx.query_start,
+            ctx.context_lens,
+            ctx.seq_lens,
+            scale,
+        )
         return self.o_proj(sigmoid_gate(out, gate, self.o_split))
