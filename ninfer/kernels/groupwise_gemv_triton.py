@@ -78,6 +78,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (bench/decode_kernels.md).
 TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
 TC_PROGRAMS_PER_SM = 6
+# ... and while the splits' fp32 partials (written and read back) move at most this share of
+# the weight's bytes: at M = 8, K 6144 splits 12 ways, not 16.
+TC_PARTIAL_SHARE = 0.3
 # Registers per thread for the tensor-core kernel (None: ptxas's choice). Compiled for sm_90,
 # the split-K form takes 159-161, three programs per SM; capped at 128 it fits four with no
 # spill (bench/decode_kernels.md).
@@ -695,7 +698,9 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     block_k = min(block_k, max(group, next_power_of_2(num_groups * group)))
     n_blocks = triton.cdiv(num_rows, block_n) * triton.cdiv(m, block_m)
     num_tiles = triton.cdiv(num_groups * group, block_k)
-    splits = max(1, min(num_tiles, triton.cdiv(TC_PROGRAMS_PER_SM * num_sms(x.device), n_blocks)))
+    splits = min(num_tiles, triton.cdiv(TC_PROGRAMS_PER_SM * num_sms(x.device), n_blocks))
+    # each split writes and reads back an fp32 partial of the output, m * num_rows * 8 bytes
+    splits = max(1, min(splits, int(TC_PARTIAL_SHARE * k * bits / (64 * m))))
     tiles_per_split = triton.cdiv(num_tiles, splits)
     splits = triton.cdiv(num_tiles, tiles_per_split)
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(m, block_m), splits)
