@@ -20,11 +20,12 @@ planes and never leave registers as floats. Two kernels:
   as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype) and multiplied
   on the tensor cores over the whole tile (a q4 byte's nibbles are values 2j and 2j + 1: the
   tile is two products, one over its even columns and one over its odd ones, so that no
-  interleaving join stands between the codes and the tensor cores' operand layout). Scaling each group's product afterwards instead (exact codes,
-  one [16 x 32] product per group) ran at 14-19 % of the copy rate for q4 at M = 8; this form
-  runs at 20-28 % for q4 and about 50 % for q8, still issue-bound (bench/decode_kernels.md).
-  For q4 and bf16 x, inline PTX dequantizes two values per instruction with the same result
-  (`_bf16_halves`): 22-35 % of the copy rate at M = 8 at the 27B shapes. Split-K
+  interleaving join stands between the codes and the tensor cores' operand layout). Scaling
+  each group's product afterwards instead (exact codes, one [16 x 32] product per group) ran
+  at 14-19 % of the copy rate for q4 at M = 8; this form runs at about 50 % for q8, and for q4
+  with bf16 x, where inline PTX dequantizes two values per instruction with the same result
+  (`_bf16_halves`), at 25-44 % at the 27B shapes; still issue-bound
+  (bench/decode_kernels.md). Split-K
   fills the GPU when N is small: every split writes an fp32 partial and bumps its output
   tile's counter, and the split that arrives last adds the partials up and writes the result,
   so a split product is still one launch.
@@ -79,11 +80,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
 TC_PROGRAMS_PER_SM = 6
 # ... and while the splits' fp32 partials (written and read back) move at most this share of
-# the weight's bytes: at M = 8, K 6144 splits 12 ways, not 16.
+# the weight's bytes: at M = 8, 5120x6144 splits 12 ways, not 16 (the 27B C=8 step 0.14 ms
+# faster, bench/decode_kernels.md).
 TC_PARTIAL_SHARE = 0.3
 # Registers per thread for the tensor-core kernel (None: ptxas's choice). Compiled for sm_90,
 # the split-K form takes 159-161, three programs per SM; capped at 128 it fits four with no
-# spill (bench/decode_kernels.md).
+# spill, and the 27B C=8 step was 0.11 ms faster (bench/decode_kernels.md).
 TC_MAX_REGISTERS: int | None = 128
 # q4 tiles for bf16 x dequantized two values per instruction (`_bf16_halves`, inline PTX for
 # sm_90; the interpreter runs the fp32 form): the products are the same bit for bit, and the
@@ -698,11 +700,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     block_k = min(block_k, max(group, next_power_of_2(num_groups * group)))
     n_blocks = triton.cdiv(num_rows, block_n) * triton.cdiv(m, block_m)
     num_tiles = triton.cdiv(num_groups * group, block_k)
-    splits = min(num_tiles, triton.cdiv(TC_PROGRAMS_PER_SM * num_sms(x.device), n_blocks))
-    # each split writes and reads back an fp32 partial of the output, m * num_rows * 8 bytes
-    splits = max(1, min(splits, int(TC_PARTIAL_SHARE * k * bits / (64 * m))))
-    tiles_per_split = triton.cdiv(num_tiles, splits)
-    splits = triton.cdiv(num_tiles, tiles_per_split)
+    splits, tiles_per_split = split_k(m, k, bits, n_blocks, num_tiles, num_sms(x.device))
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(m, block_m), splits)
     out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
     counters = tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
@@ -740,6 +738,17 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)
     return out
+
+
+def split_k(m: int, k: int, bits: int, n_blocks: int, num_tiles: int, sms: int) -> tuple[int, int]:
+    """The tensor-core kernel's (splits of K, tiles per split) for m x rows over `n_blocks`
+    output blocks and `num_tiles` tiles of K (`TC_PROGRAMS_PER_SM`, `TC_PARTIAL_SHARE`)."""
+    splits = min(num_tiles, triton.cdiv(TC_PROGRAMS_PER_SM * sms, n_blocks))
+    # each split writes and reads back an fp32 partial of the output, m * N * 8 bytes, against
+    # the weight's N * k * bits / 8
+    splits = max(1, min(splits, int(TC_PARTIAL_SHARE * k * bits / (64 * m))))
+    tiles_per_split = triton.cdiv(num_tiles, splits)
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
 def whole_tiles(num_rows: int, k: int, padded_k: int, block_n: int, block_k: int) -> bool:
