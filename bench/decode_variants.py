@@ -5,7 +5,11 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   programs, which are latency and not bandwidth (docs/performance.md, Measurement 8);
 - the column block and warps of the GDN decode kernel (`gdn_recurrent_triton`, b|a product
   and gates inside) at one token, beside the one-token cost of the small kernels around it
-  (gated norm, conv, SwiGLU) that folding into a neighbour would save (Measurement 9);
+  (gated norm, conv, SwiGLU) that folding into a neighbour would save (Measurement 9); and
+  at eight sequences, against the rate of copy (states rotated beyond the L2);
+- at the 35B-A3B shapes, one token: the fused router's rows per program
+  (`moe_router_triton`) and the integer GEMV's rows per program and words per step at the
+  expert products (nine pairs, the shared expert stacked) and the dense products;
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
@@ -28,12 +32,13 @@ from ninfer.kernels import (
     gated_rms_norm_triton,
     gdn_recurrent_triton,
     groupwise_gemv_triton,
+    moe_router_triton,
     moe_routing_triton,
     rms_norm_triton,
     swiglu_triton,
 )
 from ninfer.kernels.x_split import SplitRequest
-from ninfer.quant import get_format
+from ninfer.quant import EncodedTensor, get_format
 
 DEVICE = "cuda"
 BF16 = torch.bfloat16
@@ -80,6 +85,50 @@ def gdn_decode_kernels() -> None:
         _gdn_decode_kernels_at(*shape)
 
 
+def gdn_decode_eight_sequences() -> None:
+    """The GDN decode kernel (b|a product and gates inside) at eight sequences of one token,
+    27B shape: the column block and warps against the rate of copy, the fp32 states rotated
+    over slot sets larger than the L2 (eight sequences' states of a layer, 25 MB, would fit
+    in it). At this size a program holds a [128, block] fp32 slice of a state, so the block
+    sets the programs per SM and the waves."""
+    dim, key_heads, value_heads, hidden, seqs = 128, 16, 48, 5120, 8
+    copy = copy_bandwidth(DEVICE)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEVICE) * scale).to(BF16)
+
+    sets = 8
+    states = torch.randn(sets * seqs, value_heads, dim, dim, device=DEVICE) * 0.1
+    slot_sets = [
+        torch.arange(i * seqs, (i + 1) * seqs, device=DEVICE, dtype=torch.int32)
+        for i in range(sets)
+    ]
+    query_start = torch.arange(seqs + 1, device=DEVICE, dtype=torch.int32)
+    q, k = randn(seqs, key_heads, dim), randn(seqs, key_heads, dim)
+    v, x = randn(seqs, value_heads, dim), randn(seqs, hidden)
+    ba_weight = randn(2 * value_heads, hidden, scale=0.02)
+    A_log = torch.randn(value_heads, device=DEVICE)
+    dt_bias = torch.randn(value_heads, device=DEVICE)
+    moved = 2 * seqs * value_heads * dim * dim * 4  # each state read and written, fp32
+    print(f"{'GDN recurrent + gates, 8 sequences, 27B':48} {'us':>7} {'of copy':>8}")
+    defaults = gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS
+    sms = gdn_recurrent_triton.num_sms
+    gdn_recurrent_triton.num_sms = lambda device: 1  # the block as set, never narrowed
+    for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
+        gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS = block_v, warps
+        calls = [
+            lambda slots=slots: gdn_recurrent_triton.recurrent_gated_delta_rule_from_x(
+                q, k, v, x, ba_weight, A_log, dt_bias, states, slots, query_start
+            )
+            for slots in slot_sets
+        ]
+        us = median_us(rotating(calls))
+        label = f"block {block_v}, {warps} warps"
+        print(f"{label:48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
+    gdn_recurrent_triton.num_sms = sms
+    gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS = defaults
+
+
 def _gdn_decode_kernels_at(name: str, hidden: int, value_heads: int, mlp: int) -> None:
     dim, key_heads = 128, 16
     split = SplitRequest.for_format("q4_g64_fp16")
@@ -122,6 +171,89 @@ def _gdn_decode_kernels_at(name: str, hidden: int, value_heads: int, mlp: int) -
     gate, up = randn(1, 2 * mlp).chunk(2, dim=-1)
     us = median_us(lambda: swiglu_triton.silu_mul(gate, up, split))
     print(f"{f'{name} SwiGLU + split, {mlp} wide':48} {us:7.2f}")
+
+
+def moe_decode_settings() -> None:
+    """35B-A3B (hidden 2048, 256 experts of 512, the shared expert stacked as a 257th) at one
+    token: the fused router and routing by rows per program, then the integer GEMV by rows per
+    program and words per step at its expert and dense products, and at the 27B head and MLP
+    gate|up. Weights rotated over sets
+    larger than the L2; `of copy` counts the codes and scales read."""
+    hidden, experts, inter, top_k = 2048, 256, 512, 8
+    copy = copy_bandwidth(DEVICE)
+    x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
+    routers = [
+        torch.randn(experts + 1, hidden, device=DEVICE, dtype=BF16) * 0.02 for _ in range(64)
+    ]
+    print(f"{'35B-A3B router + routing, one token':48} {'us':>7}")
+    default_rows = moe_router_triton.ROWS_PER_PROGRAM
+    for rows in (1, 2, 4, 8, 16):
+        moe_router_triton.ROWS_PER_PROGRAM = rows
+        calls = [
+            lambda w=w: moe_router_triton.moe_router_route(x, w, experts, top_k, 0, experts, True)
+            for w in routers
+        ]
+        print(f"{f'{rows} rows per program':48} {median_us(rotating(calls)):7.2f}")
+    moe_router_triton.ROWS_PER_PROGRAM = default_rows
+
+    def stacked(count: int, rows: int, k: int) -> EncodedTensor:
+        flat = Q4.encode(torch.randn(count * rows, k, device=DEVICE) * 0.02)
+        planes = {name: p.reshape(count, rows, -1) for name, p in flat.planes.items()}
+        return EncodedTensor(flat.format, flat.layout, (count, rows, k), planes)
+
+    pairs = top_k + 1
+    gate_up, down = stacked(experts + 1, 2 * inter, hidden), stacked(experts + 1, hidden, inter)
+    choices = [
+        torch.randperm(experts + 1, device=DEVICE)[:pairs].to(torch.int32) for _ in range(16)
+    ]
+    tokens = torch.zeros(pairs, device=DEVICE, dtype=torch.int32)
+    rows_in = torch.arange(pairs, device=DEVICE, dtype=torch.int32)
+    hidden_in = torch.randn(pairs, inter, device=DEVICE, dtype=BF16)
+    products = [
+        (f"experts gate|up, {pairs} x {2 * inter}x{hidden}", gate_up, x, tokens, choices),
+        (f"experts down, {pairs} x {hidden}x{inter}", down, hidden_in, rows_in, choices),
+    ]
+    for n, k in (
+        (12288, 2048),
+        (2048, 4096),
+        (9216, 2048),
+        (248320, 2048),
+        (248320, 5120),
+        (34816, 5120),
+    ):
+        sets = max(2, math.ceil(240e6 / Q4.encoded_nbytes((n, k))))
+        weights = [Q4.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
+        products.append((f"dense {n}x{k}", weights, x, None, None))
+    config = groupwise_gemv_triton._int_config
+    print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
+    for name, weight, xs, x_rows, sets in products:
+        if sets is None:
+            moved = Q4.encoded_nbytes(tuple(weight[0].shape))
+            calls = [
+                lambda w=w, xs=xs: groupwise_gemv_triton.groupwise_linear(xs, w) for w in weight
+            ]
+        else:
+            moved = pairs * Q4.encoded_nbytes(tuple(weight.shape[1:]))
+            calls = [
+                lambda e=e, w=weight, xs=xs, r=x_rows: (
+                    groupwise_gemv_triton.grouped_groupwise_linear(xs, w, r, e)
+                )
+                for e in sets
+            ]
+        rows, k = weight.shape[-2:] if sets else weight[0].shape
+        chosen = config(rows, k // 8, pairs if sets else 1, torch.device(DEVICE))
+        for block_n in (4, 8, 16, 32, 64):
+            for words in (1024, 2048, 4096):
+                groupwise_gemv_triton._int_config = lambda r, rw, c, d, b=block_n, w=words: (
+                    b,
+                    max(8, w // b),
+                )
+                us = median_us(rotating(calls))
+                mark = " (as chosen)" if (block_n, max(8, words // block_n)) == chosen else ""
+                print(
+                    f"{name:40} {block_n:4d} {words:5d} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}{mark}"
+                )
+        groupwise_gemv_triton._int_config = config
 
 
 def int4pack(encoded, inner_k_tiles: int):
@@ -170,6 +302,8 @@ def main() -> None:
     args = parser.parse_args()
     norm_and_routing_warps()
     gdn_decode_kernels()
+    gdn_decode_eight_sequences()
+    moe_decode_settings()
     if not args.skip_int4pack:
         int4pack_against_ours()
 

@@ -56,6 +56,14 @@ SUPPORTED = INT_FORMATS
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
+# Products whose grid would give an SM this many programs or more (the output heads) take twice
+# the rows and twice the words per step: the 35B-A3B head (248320x2048) ran at 97 % of copy
+# against 82 % (bench/decode_kernels.md, "Integer GEMV at the 35B-A3B shapes").
+INT_WIDE_PROGRAMS_PER_SM = 32
+# Rows of at most this many code words (the 35B-A3B experts' down projection, K = 512) are read
+# whole, in one step, by programs of INT_SHORT_ROWS_WORDS words: a program's fixed cost
+# outweighed the parallelism of small ones (4.9 against 5.8 us at nine pairs, same section).
+INT_SHORT_ROW_WORDS, INT_SHORT_ROWS_WORDS = 128, 4096
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
@@ -554,14 +562,21 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
     return codes, corr, steps
 
 
-def _int_config(num_rows: int, out_cols: int, device: torch.device):
-    """(rows per program, words per step): INT_BLOCK_N halved while the grid would not give
-    every SM four programs; then INT_STEP_WORDS spread over the rows."""
+def _int_config(num_rows: int, row_words: int, out_cols: int, device: torch.device):
+    """(rows per program, words per row and step) for rows of `row_words` code words: short
+    rows whole, INT_SHORT_ROWS_WORDS words per program; otherwise INT_BLOCK_N rows, doubled
+    with the step where the grid is wide (INT_WIDE_PROGRAMS_PER_SM) or halved while it would
+    not give every SM four programs, and INT_STEP_WORDS spread over the rows."""
+    if row_words <= INT_SHORT_ROW_WORDS:
+        step = next_power_of_2(row_words)
+        return min(64, INT_SHORT_ROWS_WORDS // step), step
     sms = num_sms(device)
-    block_n = INT_BLOCK_N
+    block_n, step = INT_BLOCK_N, INT_STEP_WORDS
+    if triton.cdiv(num_rows, block_n) * out_cols >= INT_WIDE_PROGRAMS_PER_SM * sms:
+        block_n, step = 2 * block_n, 2 * step
     while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < 4 * sms:
         block_n //= 2
-    return block_n, max(8, INT_STEP_WORDS // block_n)
+    return block_n, max(8, step // block_n)
 
 
 def _int_linear(
@@ -591,7 +606,7 @@ def _int_linear(
         x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
     else:
         x_codes, corr, steps = split.codes, split.corr, split.steps
-    block_n, block_words = _int_config(num_rows, out_rows, x.device)
+    block_n, block_words = _int_config(num_rows, num_words, out_rows, x.device)
     words_per_group = group * bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
     _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_rows)](

@@ -28,12 +28,13 @@ from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_rou
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
-# Router rows per program: two spread 35B-A3B's 257 rows (256 experts and the shared gate)
-# over 129 programs per token, about one per SM of the H200 at one token, each reading 8 KiB
-# of weight. Columns per step: 512, 16 per thread and row with the routing's one warp
-# (ROUTE_WARPS, which the last arrival needs); hidden 2048 is four unrolled steps. Not yet
-# measured against other settings on the GPU.
-ROWS_PER_PROGRAM = 2
+# Router rows per program: one spreads 35B-A3B's 257 rows (256 experts and the shared gate)
+# over 257 programs per token, each reading 4 KiB of weight. On the H200 at one token the
+# kernel took 5.9 us against 6.8 us at two rows (8.2 at eight), and the 35B-A3B C=1 step
+# 1.89 ms against 1.92 (bench/decode_kernels.md). Columns per step: 512, 16 per thread and
+# row with the routing's one warp (ROUTE_WARPS, which the last arrival needs); hidden 2048 is
+# four unrolled steps.
+ROWS_PER_PROGRAM = 1
 BLOCK_K = 512
 
 
