@@ -56,13 +56,10 @@ SUPPORTED = INT_FORMATS
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
-# Products whose grid would give an SM this many programs or more (the output heads) take twice
-# the rows and twice the words per step: the 35B-A3B head (248320x2048) ran at 97 % of copy
-# against 82 % (bench/decode_kernels.md, "Integer GEMV at the 35B-A3B shapes").
-INT_WIDE_PROGRAMS_PER_SM = 32
 # Rows of at most this many code words (the 35B-A3B experts' down projection, K = 512) are read
 # whole, in one step, by programs of INT_SHORT_ROWS_WORDS words: a program's fixed cost
-# outweighed the parallelism of small ones (4.9 against 5.8 us at nine pairs, same section).
+# outweighed the parallelism of small ones (4.8 against 5.8 us at nine pairs on the GPU
+# machine, bench/decode_kernels.md, "Integer GEMV at the 35B-A3B shapes").
 INT_SHORT_ROW_WORDS, INT_SHORT_ROWS_WORDS = 128, 4096
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
@@ -564,19 +561,16 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
 
 def _int_config(num_rows: int, row_words: int, out_cols: int, device: torch.device):
     """(rows per program, words per row and step) for rows of `row_words` code words: short
-    rows whole, INT_SHORT_ROWS_WORDS words per program; otherwise INT_BLOCK_N rows, doubled
-    with the step where the grid is wide (INT_WIDE_PROGRAMS_PER_SM) or halved while it would
-    not give every SM four programs, and INT_STEP_WORDS spread over the rows."""
+    rows whole, INT_SHORT_ROWS_WORDS words per program; otherwise INT_BLOCK_N rows, halved
+    while the grid would not give every SM four programs, and INT_STEP_WORDS spread over them."""
     if row_words <= INT_SHORT_ROW_WORDS:
         step = next_power_of_2(row_words)
         return min(64, INT_SHORT_ROWS_WORDS // step), step
     sms = num_sms(device)
-    block_n, step = INT_BLOCK_N, INT_STEP_WORDS
-    if triton.cdiv(num_rows, block_n) * out_cols >= INT_WIDE_PROGRAMS_PER_SM * sms:
-        block_n, step = 2 * block_n, 2 * step
+    block_n = INT_BLOCK_N
     while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < 4 * sms:
         block_n //= 2
-    return block_n, max(8, step // block_n)
+    return block_n, max(8, INT_STEP_WORDS // block_n)
 
 
 def _int_linear(
