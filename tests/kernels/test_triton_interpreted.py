@@ -164,6 +164,20 @@ def test_tensor_core_gemv_on_whole_tiles_loads_without_masks_alike(
     assert (whole.float() - exact).abs().max() <= 2e-3 * exact.abs().max()
 
 
+def test_integer_gemv_reads_short_rows_whole(interpreted):
+    """Rows of at most `INT_SHORT_ROW_WORDS` code words (the 35B-A3B experts' down projection,
+    K = 512) are read whole, in one step, by programs of `INT_SHORT_ROWS_WORDS` words; longer
+    rows keep the grid rule (16 rows, halved while the SMs would get fewer than four programs
+    each) and `INT_STEP_WORDS` spread over them."""
+    module = interpreted("groupwise_gemv_triton")
+    cpu = torch.device("cpu")  # eight SMs, as the interpreter's grids count them
+    assert module._int_config(2048, 64, 9, cpu) == (64, 64)  # q4, K = 512, nine pairs
+    assert module._int_config(2048, 128, 1, cpu) == (32, 128)  # q4 K = 1024, q8 K = 512
+    assert module._int_config(64, 40, 1, cpu) == (64, 64)  # padded to a power of two
+    assert module._int_config(5120, 640, 1, cpu) == (16, 128)  # q4, K = 5120
+    assert module._int_config(40, 288, 1, cpu) == (4, 512)  # few rows: four per program
+
+
 def test_tensor_core_splits_of_k_bound_the_partials_traffic(interpreted):
     """K is split to fill the H200's 132 SMs, but never so far that the splits' fp32 partials
     move more than `TC_PARTIAL_SHARE` of the weight's bytes: at eight rows, the 27B products
@@ -208,7 +222,12 @@ def test_tensor_core_gemv_rounds_the_weight_as_decode_does(interpreted, format_n
 
 @pytest.mark.parametrize(
     ("format_name", "n", "k"),
-    [("q4_g64_fp16", 40, 300), ("q8_g32_fp16", 40, 200), ("q4_g64_fp16", 12, 1000)],
+    [
+        ("q4_g64_fp16", 40, 300),
+        ("q8_g32_fp16", 40, 200),
+        ("q4_g64_fp16", 12, 1000),
+        ("q4_g64_fp16", 256, 2304),  # long rows: 288 words in two or three steps, the last masked
+    ],
 )
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_groupwise_linear_integer_kernel_matches_dequantized_product(
