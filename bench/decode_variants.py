@@ -1,4 +1,4 @@
-"""Two comparisons behind settings and choices of the decode kernels, on the GPU (random
+"""Comparisons behind settings and choices of the decode kernels, on the GPU (random
 inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2):
 
 - the warps of the one-token norm (`rms_norm_triton`) and routing (`moe_routing_triton`)
@@ -177,8 +177,8 @@ def moe_decode_settings() -> None:
     """35B-A3B (hidden 2048, 256 experts of 512, the shared expert stacked as a 257th) at one
     token: the fused router and routing by rows per program, then the integer GEMV by rows per
     program and words per step at its expert and dense products, and at the 27B head and MLP
-    gate|up. Weights rotated over sets
-    larger than the L2; `of copy` counts the codes and scales read."""
+    gate|up. Weights rotated over sets larger than the L2; `of copy` counts the codes and
+    scales read."""
     hidden, experts, inter, top_k = 2048, 256, 512, 8
     copy = copy_bandwidth(DEVICE)
     x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
@@ -244,15 +244,12 @@ def moe_decode_settings() -> None:
         chosen = config(rows, k // 8, pairs if sets else 1, torch.device(DEVICE))
         for block_n in (4, 8, 16, 32, 64):
             for words in (1024, 2048, 4096):
-                groupwise_gemv_triton._int_config = lambda r, rw, c, d, b=block_n, w=words: (
-                    b,
-                    max(8, w // b),
-                )
+                setting = block_n, max(8, words // block_n)
+                groupwise_gemv_triton._int_config = lambda *shape, setting=setting: setting
                 us = median_us(rotating(calls))
-                mark = " (as chosen)" if (block_n, max(8, words // block_n)) == chosen else ""
-                print(
-                    f"{name:40} {block_n:4d} {words:5d} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}{mark}"
-                )
+                share = moved / (us * 1e-6) / copy
+                mark = " (as chosen)" if setting == chosen else ""
+                print(f"{name:40} {block_n:4d} {words:5d} {us:7.2f} {share:8.0%}{mark}")
         groupwise_gemv_triton._int_config = config
 
 

@@ -59,7 +59,7 @@ INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
 # Rows of at most this many code words (the 35B-A3B experts' down projection, K = 512) are read
 # whole, in one step, by programs of INT_SHORT_ROWS_WORDS words: a program's fixed cost
 # outweighed the parallelism of small ones (4.8 against 5.8 us at nine pairs on the GPU
-# machine, bench/decode_kernels.md, "Integer GEMV at the 35B-A3B shapes").
+# machine; bench/decode_kernels.md, "Integer GEMV and fused router at the 35B-A3B shapes").
 INT_SHORT_ROW_WORDS, INT_SHORT_ROWS_WORDS = 128, 4096
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
