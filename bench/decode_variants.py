@@ -42,7 +42,7 @@ from ninfer.quant import EncodedTensor, get_format
 
 DEVICE = "cuda"
 BF16 = torch.bfloat16
-Q4 = get_format("q4_g64_fp16")
+Q4, Q8 = get_format("q4_g64_fp16"), get_format("q8_g32_fp16")
 # 27B q4 products: MLP gate|up, MLP down, GDN out_proj, GDN qkv|z
 GEMV_SHAPES = ((34816, 5120), (5120, 17408), (5120, 6144), (16384, 5120))
 
@@ -177,8 +177,8 @@ def moe_decode_settings() -> None:
     """35B-A3B (hidden 2048, 256 experts of 512, the shared expert stacked as a 257th) at one
     token: the fused router and routing by rows per program, then the integer GEMV by rows per
     program and words per step at its expert and dense products, and at the 27B head and MLP
-    gate|up. Weights rotated over sets larger than the L2; `of copy` counts the codes and
-    scales read."""
+    gate|up, in q4, and at the heads in q8, the format they run in. Weights rotated over sets
+    larger than the L2; `of copy` counts the codes and scales read."""
     hidden, experts, inter, top_k = 2048, 256, 512, 8
     copy = copy_bandwidth(DEVICE)
     x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
@@ -213,35 +213,41 @@ def moe_decode_settings() -> None:
         (f"experts gate|up, {pairs} x {2 * inter}x{hidden}", gate_up, x, tokens, choices),
         (f"experts down, {pairs} x {hidden}x{inter}", down, hidden_in, rows_in, choices),
     ]
-    for n, k in (
-        (12288, 2048),
-        (2048, 4096),
-        (9216, 2048),
-        (248320, 2048),
-        (248320, 5120),
-        (34816, 5120),
+    # q4: the model's products; q8: the heads as they run (stored q6_g64, widened to q8_g32)
+    for fmt, n, k in (
+        (Q4, 12288, 2048),
+        (Q4, 2048, 4096),
+        (Q4, 9216, 2048),
+        (Q4, 248320, 2048),
+        (Q4, 248320, 5120),
+        (Q4, 34816, 5120),
+        (Q8, 248320, 2048),
+        (Q8, 248320, 5120),
     ):
-        sets = max(2, math.ceil(240e6 / Q4.encoded_nbytes((n, k))))
-        weights = [Q4.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
-        products.append((f"dense {n}x{k}", weights, x, None, None))
+        sets = max(2, math.ceil(240e6 / fmt.encoded_nbytes((n, k))))
+        weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
+        products.append((f"dense {fmt.name[:2]} {n}x{k}", weights, x, None, None))
     config = groupwise_gemv_triton._int_config
     print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
     for name, weight, xs, x_rows, sets in products:
+        one = weight if sets else weight[0]
+        rows, k = one.shape[-2:]
+        fmt = get_format(one.format)
         if sets is None:
-            moved = Q4.encoded_nbytes(tuple(weight[0].shape))
+            moved = fmt.encoded_nbytes((rows, k))
             calls = [
                 lambda w=w, xs=xs: groupwise_gemv_triton.groupwise_linear(xs, w) for w in weight
             ]
         else:
-            moved = pairs * Q4.encoded_nbytes(tuple(weight.shape[1:]))
+            moved = pairs * fmt.encoded_nbytes((rows, k))
             calls = [
                 lambda e=e, w=weight, xs=xs, r=x_rows: (
                     groupwise_gemv_triton.grouped_groupwise_linear(xs, w, r, e)
                 )
                 for e in sets
             ]
-        rows, k = weight.shape[-2:] if sets else weight[0].shape
-        chosen = config(rows, k // 8, pairs if sets else 1, torch.device(DEVICE))
+        row_words = one.planes["codes"].shape[-1] // 4
+        chosen = config(rows, row_words, pairs if sets else 1, torch.device(DEVICE))
         for block_n in (4, 8, 16, 32, 64):
             for words in (1024, 2048, 4096):
                 setting = block_n, max(8, words // block_n)
