@@ -56,7 +56,19 @@ def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
     return device, getattr(torch, dtype_name)
 
 
+# `git archive` writes the commit it archives into this file (export-subst, .gitattributes), so
+# a tree unpacked from an archive, with no .git of its own, names its commit rather than that
+# of whatever repository it was unpacked inside.
+ARCHIVE_COMMIT = Path(__file__).with_name("ARCHIVE_COMMIT")
+
+
 def _commit() -> str | None:
+    try:
+        archived = ARCHIVE_COMMIT.read_text().strip()
+    except OSError:
+        archived = ""
+    if archived and not archived.startswith("$Format"):
+        return archived
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(
