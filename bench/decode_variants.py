@@ -226,7 +226,8 @@ def moe_decode_settings() -> None:
     ):
         sets = max(2, math.ceil(240e6 / fmt.encoded_nbytes((n, k))))
         weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
-        products.append((f"dense {fmt.name[:2]} {n}x{k}", weights, x, None, None))
+        xs = torch.randn(1, k, device=DEVICE, dtype=BF16)
+        products.append((f"dense {fmt.name[:2]} {n}x{k}", weights, xs, None, None))
     config = groupwise_gemv_triton._int_config
     print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
     for name, weight, xs, x_rows, sets in products:

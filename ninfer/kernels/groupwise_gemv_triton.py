@@ -644,7 +644,13 @@ def _int_linear(
 
 
 def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor):
-    """(bits, group, codes, scales) of a SUPPORTED weight, checking unit stride along K."""
+    """(bits, group, codes, scales) of a SUPPORTED weight, checking that x's K is the weight's
+    (the kernels would read a short x as zeros and ignore the rest of a long one) and unit
+    stride along K."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"x has {x.shape[-1]} columns, the weight {tuple(weight.shape)} takes {weight.shape[-1]}"
+        )
     bits, group = SUPPORTED[weight.format]
     codes, scales = weight.planes["codes"], weight.planes["scales"]
     if x.stride(-1) != 1 or codes.stride(-1) != 1 or scales.stride(-1) != 1:

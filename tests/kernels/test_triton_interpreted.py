@@ -26,7 +26,7 @@ from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
-from ninfer.quant import get_format
+from ninfer.quant import EncodedTensor, get_format
 
 require_interpreter()
 
@@ -162,6 +162,22 @@ def test_tensor_core_gemv_on_whole_tiles_loads_without_masks_alike(
     assert torch.equal(whole, module.groupwise_linear(x, encoded))
     exact = x.float() @ encoded.decode(torch.float16).float().T
     assert (whole.float() - exact).abs().max() <= 2e-3 * exact.abs().max()
+
+
+def test_gemv_rejects_an_x_of_another_width(interpreted):
+    """x's columns must be the weight's K, at one row, at more and for the grouped form: the
+    kernels would otherwise read a short x as zeros and a long one in part."""
+    module = interpreted("groupwise_gemv_triton")
+    weight = get_format("q4_g64_fp16").encode(torch.randn(32, 128))
+    for rows in (1, 4):
+        with pytest.raises(ValueError, match="x has 64 columns"):
+            module.groupwise_linear(torch.randn(rows, 64).half(), weight)
+    stacked = get_format("q4_g64_fp16").encode(torch.randn(2 * 32, 128))
+    planes = {name: plane.reshape(2, 32, -1) for name, plane in stacked.planes.items()}
+    stacked = EncodedTensor(stacked.format, stacked.layout, (2, 32, 128), planes)
+    ids = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="x has 192 columns"):
+        module.grouped_groupwise_linear(torch.randn(1, 192).half(), stacked, ids, ids)
 
 
 def test_integer_gemv_reads_short_rows_whole(interpreted):
