@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from functools import partial
 
 import torch
 from decode_kernels import rotating  # this folder: the scripts run as `python bench/...`
@@ -177,8 +178,9 @@ def moe_decode_settings() -> None:
     """35B-A3B (hidden 2048, 256 experts of 512, the shared expert stacked as a 257th) at one
     token: the fused router and routing by rows per program, then the integer GEMV by rows per
     program and words per step at its expert and dense products, and at the 27B head and MLP
-    gate|up, in q4, and at the heads in q8, the format they run in. Weights rotated over sets
-    larger than the L2; `of copy` counts the codes and scales read."""
+    gate|up, in q4, at the heads in q8, the format they run in, and at the 35B-A3B GDN in
+    projection with its conv inside. Weights rotated over sets larger than the L2; `of copy`
+    counts the codes and scales read."""
     hidden, experts, inter, top_k = 2048, 256, 512, 8
     copy = copy_bandwidth(DEVICE)
     x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
@@ -209,46 +211,56 @@ def moe_decode_settings() -> None:
     tokens = torch.zeros(pairs, device=DEVICE, dtype=torch.int32)
     rows_in = torch.arange(pairs, device=DEVICE, dtype=torch.int32)
     hidden_in = torch.randn(pairs, inter, device=DEVICE, dtype=BF16)
+    grouped = groupwise_gemv_triton.grouped_groupwise_linear
+    # (name, one weight of the product's shape, the calls rotated over, output columns)
     products = [
-        (f"experts gate|up, {pairs} x {2 * inter}x{hidden}", gate_up, x, tokens, choices),
-        (f"experts down, {pairs} x {hidden}x{inter}", down, hidden_in, rows_in, choices),
+        (
+            f"experts gate|up, {pairs} x {2 * inter}x{hidden}",
+            gate_up,
+            [partial(grouped, x, gate_up, tokens, e) for e in choices],
+            pairs,
+        ),
+        (
+            f"experts down, {pairs} x {hidden}x{inter}",
+            down,
+            [partial(grouped, hidden_in, down, rows_in, e) for e in choices],
+            pairs,
+        ),
     ]
-    # q4: the model's products; q8: the heads as they run (stored q6_g64, widened to q8_g32)
-    for fmt, n, k in (
-        (Q4, 12288, 2048),
-        (Q4, 2048, 4096),
-        (Q4, 9216, 2048),
-        (Q4, 248320, 2048),
-        (Q4, 248320, 5120),
-        (Q4, 34816, 5120),
-        (Q8, 248320, 2048),
-        (Q8, 248320, 5120),
+    # q4: the model's products; q8: the heads as they run (stored q6_g64, widened to q8_g32);
+    # conv: the GDN in projection with its causal conv over the first 8192 channels (q|k|v)
+    for fmt, n, k, conv in (
+        (Q4, 12288, 2048, False),
+        (Q4, 12288, 2048, True),
+        (Q4, 2048, 4096, False),
+        (Q4, 9216, 2048, False),
+        (Q4, 248320, 2048, False),
+        (Q4, 248320, 5120, False),
+        (Q4, 34816, 5120, False),
+        (Q8, 248320, 2048, False),
+        (Q8, 248320, 5120, False),
     ):
         sets = max(2, math.ceil(240e6 / fmt.encoded_nbytes((n, k))))
         weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
         xs = torch.randn(1, k, device=DEVICE, dtype=BF16)
-        products.append((f"dense {fmt.name[:2]} {n}x{k}", weights, xs, None, None))
+        if conv:
+            channels, slot = 8192, torch.tensor([2], device=DEVICE, dtype=torch.int32)
+            taps = torch.randn(channels, 4, device=DEVICE, dtype=BF16)
+            windows = torch.randn(4, channels, 3, device=DEVICE, dtype=BF16)
+            conv_product = groupwise_gemv_triton.integer_linear_conv
+            calls = [partial(conv_product, xs, w, taps, windows, slot) for w in weights]
+            name = f"dense q4 {n}x{k} with the conv"
+        else:
+            calls = [partial(groupwise_gemv_triton.groupwise_linear, xs, w) for w in weights]
+            name = f"dense {fmt.name[:2]} {n}x{k}"
+        products.append((name, weights[0], calls, 1))
     config = groupwise_gemv_triton._int_config
     print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
-    for name, weight, xs, x_rows, sets in products:
-        one = weight if sets else weight[0]
-        rows, k = one.shape[-2:]
-        fmt = get_format(one.format)
-        if sets is None:
-            moved = fmt.encoded_nbytes((rows, k))
-            calls = [
-                lambda w=w, xs=xs: groupwise_gemv_triton.groupwise_linear(xs, w) for w in weight
-            ]
-        else:
-            moved = pairs * fmt.encoded_nbytes((rows, k))
-            calls = [
-                lambda e=e, w=weight, xs=xs, r=x_rows: (
-                    groupwise_gemv_triton.grouped_groupwise_linear(xs, w, r, e)
-                )
-                for e in sets
-            ]
-        row_words = one.planes["codes"].shape[-1] // 4
-        chosen = config(rows, row_words, pairs if sets else 1, torch.device(DEVICE))
+    for name, weight, calls, out_cols in products:
+        rows, k = weight.shape[-2:]
+        moved = out_cols * get_format(weight.format).encoded_nbytes((rows, k))
+        row_words = weight.planes["codes"].shape[-1] // 4
+        chosen = config(rows, row_words, out_cols, torch.device(DEVICE))
         for block_n in (4, 8, 16, 32, 64):
             for words in (1024, 2048, 4096):
                 setting = block_n, max(8, words // block_n)
