@@ -96,6 +96,11 @@ TC_MAX_REGISTERS: int | None = 128
 # sm_90; the interpreter runs the fp32 form): the products are the same bit for bit, and the
 # C=8 step is faster (bench/decode_kernels.md).
 TC_PACKED_DEQUANT = True
+# Tiles as exact integer codes (exact in bf16 and fp16), one product per group, each group's
+# product scaled after it: for q4 three instructions per two values instead of five, for q8
+# no multiply, and no rounding of the weight to x's dtype (the result is nearer the exact
+# product than the dequantized weight's, not bit for bit it).
+TC_SCALE_AFTER = True
 
 
 @triton.jit
@@ -123,6 +128,7 @@ def _groupwise_gemv_kernel(
     SPLIT_K: tl.constexpr,
     PACKED: tl.constexpr,
     WHOLE_TILES: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
@@ -130,7 +136,8 @@ def _groupwise_gemv_kernel(
     and scale, rounded to x's dtype) and multiplied on the tensor cores. With SPLIT_K, program
     (n, m, s) sums split s's tiles into partial[s]; the last split of an output tile to arrive
     (a counter per tile, reset by it) adds up all partials and writes out. WHOLE_TILES: N and
-    K are multiples of BLOCK_N and BLOCK_K, so the loop's loads need no masks but x's rows."""
+    K are multiples of BLOCK_N and BLOCK_K, so the loop's loads need no masks but x's rows.
+    SCALE_AFTER: the tile's groups as `_group_scaled_after` computes them instead."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -150,46 +157,77 @@ def _groupwise_gemv_kernel(
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for tile in tl.range(first, last, num_stages=STAGES):
-        groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
-        live = groups < num_groups
-        byte_cols = groups[:, None] * group_bytes + in_group[None, :]
-        if WHOLE_TILES:
-            raw = tl.load(code_rows + byte_cols[None, :, :])
-            scale = tl.load(scale_rows + groups[None, :])
-        else:
-            raw = tl.load(
-                code_rows + byte_cols[None, :, :],
-                mask=row_mask[:, None, None] & live[None, :, None],
-                other=0,
-            )
-            scale = tl.load(
-                scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
-            )
-        packed = raw.to(tl.int32)
-        scale = scale.to(tl.float32)[:, :, None]
-        ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        if WHOLE_TILES:
-            xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None], other=0.0)
-        else:
-            x_mask = m_mask[:, None] & (ks < K)[None, :]
-            xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-        dtype = x_ptr.dtype.element_ty
-        if BITS == 8:
-            w = (packed.to(tl.float32) * scale).to(dtype)
-            acc = tl.dot(xs, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K])), acc)
-        else:
-            # byte j's low nibble is value 2j, its high nibble value 2j + 1: the tile is two
-            # products, over its even columns and over its odd ones (no interleaving join)
-            if PACKED:
-                w_even, w_odd = _bf16_halves(raw, scale)
+    if SCALE_AFTER:
+        tl.static_assert(groups_per_tile <= 4, "scaled after: at most four groups per tile")
+        for tile in tl.range(first, last, num_stages=STAGES):
+            # the tile's scales in one load, which the pipeline stages with the codes: loaded
+            # a group at a time, each took a pass through shared memory and a barrier to reach
+            # the accumulator's layout
+            groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
+            if WHOLE_TILES:
+                scales = tl.load(scale_rows + groups[None, :])
             else:
-                w_even = ((((packed & 15) ^ 8) - 8).to(tl.float32) * scale).to(dtype)
-                w_odd = ((((packed >> 4) ^ 8) - 8).to(tl.float32) * scale).to(dtype)
-            x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, BLOCK_K // 2, 2]))
-            half: tl.constexpr = BLOCK_K // 2
-            acc = tl.dot(x_even, tl.trans(tl.reshape(w_even, [BLOCK_N, half])), acc)
-            acc = tl.dot(x_odd, tl.trans(tl.reshape(w_odd, [BLOCK_N, half])), acc)
+                live = row_mask[:, None] & (groups < num_groups)[None, :]
+                scales = tl.load(scale_rows + groups[None, :], mask=live, other=0.0)
+            s0, s1, s2, s3 = _four_columns(scales.to(tl.float32), BLOCK_N, groups_per_tile)
+            for g in tl.static_range(groups_per_tile):
+                acc = _group_scaled_after(
+                    acc,
+                    tile * groups_per_tile + g,
+                    codes_ptr + rows[:, None].to(tl.int64) * stride_codes,
+                    s0 if g == 0 else (s1 if g == 1 else (s2 if g == 2 else s3)),
+                    x_rows,
+                    row_mask,
+                    m_mask,
+                    num_groups,
+                    K,
+                    BITS,
+                    GROUP,
+                    BLOCK_M,
+                    PACKED,
+                    WHOLE_TILES,
+                )
+    else:
+        for tile in tl.range(first, last, num_stages=STAGES):
+            groups = tile * groups_per_tile + tl.arange(0, groups_per_tile)
+            live = groups < num_groups
+            byte_cols = groups[:, None] * group_bytes + in_group[None, :]
+            if WHOLE_TILES:
+                raw = tl.load(code_rows + byte_cols[None, :, :])
+                scale = tl.load(scale_rows + groups[None, :])
+            else:
+                raw = tl.load(
+                    code_rows + byte_cols[None, :, :],
+                    mask=row_mask[:, None, None] & live[None, :, None],
+                    other=0,
+                )
+                scale = tl.load(
+                    scale_rows + groups[None, :], mask=row_mask[:, None] & live[None, :], other=0.0
+                )
+            packed = raw.to(tl.int32)
+            scale = scale.to(tl.float32)[:, :, None]
+            ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            if WHOLE_TILES:
+                xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                x_mask = m_mask[:, None] & (ks < K)[None, :]
+                xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            dtype = x_ptr.dtype.element_ty
+            if BITS == 8:
+                w = (packed.to(tl.float32) * scale).to(dtype)
+                acc = tl.dot(xs, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K])), acc)
+            else:
+                # byte j's low nibble is value 2j, its high nibble value 2j + 1: the tile is two
+                # products, over its even columns and over its odd ones (no interleaving join)
+                if PACKED:
+                    w_even, w_odd = _bf16_halves(raw, scale)
+                else:
+                    w_even = ((((packed & 15) ^ 8) - 8).to(tl.float32) * scale).to(dtype)
+                    w_odd = ((((packed >> 4) ^ 8) - 8).to(tl.float32) * scale).to(dtype)
+                x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, BLOCK_K // 2, 2]))
+                half: tl.constexpr = BLOCK_K // 2
+                acc = tl.dot(x_even, tl.trans(tl.reshape(w_even, [BLOCK_N, half])), acc)
+                acc = tl.dot(x_odd, tl.trans(tl.reshape(w_odd, [BLOCK_N, half])), acc)
     out_mask = m_mask[:, None] & row_mask[None, :]
     at = ms[:, None] * N + rows[None, :]
     if SPLIT_K:
@@ -243,6 +281,99 @@ def _halves_ptx() -> str:
 
 
 _BF16_HALVES_PTX = tl.constexpr(_halves_ptx())
+
+# Four q4 bytes to their eight codes as exact bf16 integers: the first three instructions of
+# each of `_BF16_HALVES_PTX`'s steps (the bf16 136 + code, then less 136), the fma writing the
+# output register. Operands: $0, $1 the low nibbles' codes of bytes 0-1 and 2-3, $2, $3 the
+# high nibbles'; $4 the bytes. tests/quant/test_packed_dequant_math.py runs it through the
+# same emulator.
+_BF16_CODES_PTX = tl.constexpr(
+    "{\n.reg .b32 w4, x, t, one, m136;\nmov.b32 one, 0x3F803F80;\nmov.b32 m136, 0xC308C308;\n"
+    "shr.b32 w4, $4, 4;\n"
+    + "".join(
+        f"prmt.b32 x, {src}, 0, {sel};\nlop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;\n"
+        f"fma.rn.bf16x2 ${out}, t, one, m136;\n"
+        for out, (src, sel) in enumerate(
+            (("$4", "0x7170"), ("$4", "0x7372"), ("w4", "0x7170"), ("w4", "0x7372"))
+        )
+    )
+    + "}"
+)
+
+
+@triton.jit
+def _four_columns(scales, BLOCK_N: tl.constexpr, COLUMNS: tl.constexpr):
+    """The columns of scales [BLOCK_N, COLUMNS] (1, 2 or 4) as four [BLOCK_N] tensors, split in
+    registers (those past COLUMNS repeat the first)."""
+    if COLUMNS == 4:
+        even, odd = tl.split(tl.reshape(scales, [BLOCK_N, 2, 2]))  # columns 0, 2 and 1, 3
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+    elif COLUMNS == 2:
+        s0, s1 = tl.split(scales)
+        s2, s3 = s0, s0
+    else:
+        s0 = tl.reshape(scales, [BLOCK_N])
+        s1, s2, s3 = s0, s0, s0
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _group_scaled_after(
+    acc,
+    group,
+    code_rows,
+    scale,
+    x_rows,
+    row_mask,
+    m_mask,
+    num_groups,
+    K,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PACKED: tl.constexpr,
+    WHOLE_TILES: tl.constexpr,
+):
+    """acc [BLOCK_M, rows] plus group `group`'s product: its codes as exact integers in x's
+    dtype on the tensor cores (q4: two products, even and odd columns), then times the group's
+    scale in fp32. code_rows [rows, 1] points at the rows' codes; scale [rows] is the group's
+    scales in fp32 (0 past the rows and groups)."""
+    group_bytes: tl.constexpr = GROUP * BITS // 8
+    in_group = tl.arange(0, group_bytes)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    if WHOLE_TILES:
+        raw = tl.load(code_rows + group * group_bytes + in_group[None, :])
+        xs = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+    else:
+        live = row_mask & (group + tl.zeros_like(row_mask.to(tl.int32)) < num_groups)
+        raw = tl.load(
+            code_rows + group * group_bytes + in_group[None, :], mask=live[:, None], other=0
+        )
+        x_mask = m_mask[:, None] & (cols < K)[None, :]
+        xs = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
+    if BITS == 8:  # |code| <= 127: exact in bf16 and fp16
+        product = tl.dot(xs, tl.trans(raw.to(tl.float32).to(xs.dtype)))
+    else:
+        half: tl.constexpr = GROUP // 2
+        if PACKED:
+            low, high = tl.inline_asm_elementwise(
+                _BF16_CODES_PTX,
+                "=r,=r,=r,=r,r",
+                [raw],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            packed = raw.to(tl.int32)
+            low = (((packed & 15) ^ 8) - 8).to(tl.float32).to(xs.dtype)
+            high = ((((packed >> 4) & 15) ^ 8) - 8).to(tl.float32).to(xs.dtype)
+        # byte j's low nibble is value 2j of the group, its high nibble value 2j + 1
+        x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, half, 2]))
+        product = tl.dot(x_even, tl.trans(low))
+        product = tl.dot(x_odd, tl.trans(high), product)
+    return acc + product * scale[None, :]
 
 
 @triton.jit
@@ -746,6 +877,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         SPLIT_K=counters is not None,
         PACKED=bits == 4 and x.dtype == torch.bfloat16 and TC_PACKED_DEQUANT and not INTERPRETED,
         WHOLE_TILES=whole_tiles(num_rows, k, num_groups * group, block_n, block_k),
+        SCALE_AFTER=TC_SCALE_AFTER,
         num_warps=warps,
         **({"maxnreg": TC_MAX_REGISTERS} if TC_MAX_REGISTERS else {}),
         **pdl_options(x.device),

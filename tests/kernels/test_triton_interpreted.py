@@ -223,6 +223,7 @@ def test_tensor_core_gemv_rounds_the_weight_as_decode_does(interpreted, format_n
     split of each output tile sums the partials and leaves its counter at zero, or, without
     counters (none yet inside a graph capture), torch sums them."""
     module = interpreted("groupwise_gemv_triton")
+    module.TC_SCALE_AFTER = False  # the form that rounds the weight (below, the other)
     if not counters:
         module.TILE_COUNTERS = 0
     encoded = get_format(format_name).encode(torch.randn(150, 1000) * 0.05)
@@ -234,6 +235,33 @@ def test_tensor_core_gemv_rounds_the_weight_as_decode_does(interpreted, format_n
     assert (out != exact.half()).float().mean() < 0.05
     if counters:
         assert module._counters and not module._counters[torch.device("cpu")].any()
+
+
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("counters", [True, False], ids=["counters", "torch-sum"])
+@pytest.mark.parametrize(("n", "k"), [(150, 1000), (256, 512), (24, 60)], ids=str)
+def test_tensor_core_scaled_after_its_product_is_the_exact_product(
+    interpreted, format_name, counters, n, k
+):
+    """With `TC_SCALE_AFTER`: each group's codes enter the product as exact integers and its
+    scale multiplies the product, so the weight is never rounded. The result is the exact
+    product of x and the decoded weight (fp64 here) to within the output's rounding and fp32
+    sums (masked tiles at 150 x 1000, whole ones at 256 x 512, fewer groups per tile at
+    K = 60), and nearer it than the form that rounds the weight to x's dtype."""
+    module = interpreted("groupwise_gemv_triton")
+    assert module.TC_SCALE_AFTER
+    if not counters:
+        module.TILE_COUNTERS = 0
+    encoded = get_format(format_name).encode(torch.randn(n, k) * 0.05)
+    x = torch.randn(5, k).half()
+    out = module.groupwise_linear(x, encoded).double()
+    weight = encoded.decode(torch.float32).double()  # code * scale is exact in fp32
+    exact = x.double() @ weight.T
+    magnitude = x.double().abs() @ weight.abs().T
+    assert ((out - exact).abs() <= 2**-11 * exact.abs() + 1e-5 * magnitude).all()
+    module.TC_SCALE_AFTER = False
+    rounded = module.groupwise_linear(x, encoded).double()
+    assert (out - exact).abs().mean() < (rounded - exact).abs().mean()
 
 
 @pytest.mark.parametrize(

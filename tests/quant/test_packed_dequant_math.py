@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ninfer.kernels.groupwise_gemv_triton import _BF16_HALVES_PTX
+from ninfer.kernels.groupwise_gemv_triton import _BF16_CODES_PTX, _BF16_HALVES_PTX
 from ninfer.quant import EncodedTensor
 
 MASK = (1 << 32) - 1
@@ -160,3 +160,19 @@ def test_two_bf16_parts_give_code_times_scale_rounded_once():
         assert torch.equal(exact, code * scales)
         reference = (torch.tensor(float(code)) * scales.float()).to(torch.bfloat16)
         assert torch.equal(exact.float().to(torch.bfloat16), reference)
+
+
+def test_the_codes_ptx_gives_every_byte_its_exact_codes():
+    """`_BF16_CODES_PTX` (the q4 form that scales after the product): every byte at every
+    position of its word becomes the bf16 codes of its low nibble (value 2j, in the first two
+    registers) and of its high nibble (value 2j + 1, in the last two)."""
+    ptx = _BF16_CODES_PTX.value
+    assert set(re.findall(r"\$\d+", ptx)) == {f"${i}" for i in range(5)}
+    words = torch.arange(256, dtype=torch.int64)
+    bytes_ = torch.stack([(words + 64 * j) % 256 for j in range(4)], dim=1)  # [256, 4]
+    raw = (bytes_ << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    regs = _run_ptx(ptx, {"$4": raw})
+    for first, second, nibble in (("$0", "$1", bytes_ & 15), ("$2", "$3", bytes_ >> 4)):
+        halves = [*_halves(regs[first]), *_halves(regs[second])]  # bytes 0, 1, 2, 3
+        code = (nibble ^ 8) - 8  # two's complement
+        assert torch.equal(torch.stack(halves, dim=1), code.double())
