@@ -16,16 +16,18 @@ planes and never leave registers as floats. Two kernels:
   once per row, so only one row takes it in decode. For a GDN layer's in projection the
   kernel also runs the causal conv of the q|k|v outputs (`integer_linear_conv`): each program
   reads its channels' taps and window before the product and finishes its rows alone.
-- more x rows (x padded to 16 rows): each tile of BLOCK_K columns is dequantized in registers
-  as `EncodedTensor.decode` does it (fp32 code * scale, rounded to x's dtype) and multiplied
-  on the tensor cores over the whole tile (a q4 byte's nibbles are values 2j and 2j + 1: the
-  tile is two products, one over its even columns and one over its odd ones, so that no
-  interleaving join stands between the codes and the tensor cores' operand layout). Scaling
-  each group's product afterwards instead (exact codes, one [16 x 32] product per group) ran
-  at 14-19 % of the copy rate for q4 at M = 8; this form runs at about 50 % for q8, and for q4
-  with bf16 x, where inline PTX dequantizes two values per instruction with the same result
-  (`_bf16_halves`), at 25-44 % at the 27B shapes; still issue-bound
-  (bench/decode_kernels.md). Split-K
+- more x rows (x padded to 16 rows), on the tensor cores. By default (`TC_SCALE_AFTER`) each
+  group's codes enter the product as exact integers in x's dtype (q4 with bf16 x through inline
+  PTX, three instructions per two values) and each group's product is multiplied by its scale
+  in fp32, so the weight is never rounded; the tile's scales come in one load, which the
+  pipeline stages with the codes (loaded a group at a time they cost a pass through shared
+  memory and a barrier per group, and an earlier form that also summed x per group ran 2.3 ms
+  slower at 27B C=8). The other form dequantizes each tile as `EncodedTensor.decode` does
+  (fp32 code * scale, rounded to x's dtype; for q4 with bf16 x, two values per PTX
+  instruction, `_bf16_halves`) and multiplies the whole tile. A q4 byte's nibbles are values
+  2j and 2j + 1, so a q4 product is two, over the even columns and over the odd ones: no
+  interleaving join stands between the codes and the tensor cores' operand layout. Both are
+  bound by instruction issue at M = 8 (bench/decode_kernels.md). Split-K
   fills the GPU when N is small: every split writes an fp32 partial and bumps its output
   tile's counter, and the split that arrives last adds the partials up and writes the result,
   so a split product is still one launch.
@@ -131,13 +133,14 @@ def _groupwise_gemv_kernel(
     SCALE_AFTER: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. Each tile's codes are
-    dequantized in registers exactly as `EncodedTensor.decode` does (the fp32 product of code
-    and scale, rounded to x's dtype) and multiplied on the tensor cores. With SPLIT_K, program
+    """out[ms, rows] = x[ms] @ W[rows].T over tiles of BLOCK_K columns. SCALE_AFTER: each
+    group's product over its exact codes times its scale (`_group_scaled_after`); otherwise
+    each tile's codes dequantized in registers exactly as `EncodedTensor.decode` does (the
+    fp32 product of code and scale, rounded to x's dtype) and multiplied on the tensor cores,
+    bit for bit the dequantized weight's product. With SPLIT_K, program
     (n, m, s) sums split s's tiles into partial[s]; the last split of an output tile to arrive
     (a counter per tile, reset by it) adds up all partials and writes out. WHOLE_TILES: N and
-    K are multiples of BLOCK_N and BLOCK_K, so the loop's loads need no masks but x's rows.
-    SCALE_AFTER: the tile's groups as `_group_scaled_after` computes them instead."""
+    K are multiples of BLOCK_N and BLOCK_K, so the loop's loads need no masks but x's rows."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -158,7 +161,10 @@ def _groupwise_gemv_kernel(
     last = tl.minimum(first + tiles_per_split, num_tiles)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SCALE_AFTER:
-        tl.static_assert(groups_per_tile <= 4, "scaled after: at most four groups per tile")
+        tl.static_assert(
+            groups_per_tile == 1 or groups_per_tile == 2 or groups_per_tile == 4,
+            "scaled after: one, two or four groups per tile",
+        )
         for tile in tl.range(first, last, num_stages=STAGES):
             # the tile's scales in one load, which the pipeline stages with the codes: loaded
             # a group at a time, each took a pass through shared memory and a barrier to reach

@@ -80,14 +80,18 @@ def test_packed_dequantization_gives_the_fp32_form_bit_for_bit(monkeypatch, n, k
     torch.testing.assert_close(packed.float(), x.float() @ dense.float().T, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
 @pytest.mark.parametrize("m", [2, 8, 16])
-@pytest.mark.parametrize(("n", "k"), [(34816, 5120), (5120, 17408), (5120, 6144)], ids=str)
-def test_scaled_after_the_product_is_the_exact_product(monkeypatch, format_name, n, k, m):
-    """bf16, the 27B shapes: with each group's scale after its product (`TC_SCALE_AFTER`;
-    q4's exact integers through inline PTX), the result is the exact product of x and the
-    decoded weight (fp64) to within bf16's rounding and fp32 sums, and nearer it on average
-    than the form that rounds the weight to bf16."""
+@pytest.mark.parametrize(
+    ("n", "k"), [(34816, 5120), (5120, 17408), (5120, 6144), (96, 5000)], ids=str
+)
+def test_scaled_after_the_product_is_the_exact_product(monkeypatch, format_name, n, k, m, dtype):
+    """The 27B shapes and a masked one (96 rows of a 128-row tile, K not a whole tile): with
+    each group's scale after its product (`TC_SCALE_AFTER`), the result is the exact product of
+    x and the decoded weight (fp64) to within the output's rounding and fp32 sums, and nearer it
+    on average than the form that rounds the weight to x's dtype. q4 with bf16 x makes its
+    exact integers through inline PTX: bit for bit what the arithmetic form gives."""
     from ninfer.kernels import groupwise_gemv_triton
     from ninfer.quant import get_format
 
@@ -95,16 +99,19 @@ def test_scaled_after_the_product_is_the_exact_product(monkeypatch, format_name,
     weight = torch.randn(n, k, device="cuda") * torch.logspace(-4, 1, n, device="cuda")[:, None]
     encoded = get_format(format_name).encode(weight)
     encoded.planes["scales"][1::7] *= -1
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    assert groupwise_gemv_triton.TC_SCALE_AFTER
-    out = groupwise_gemv_triton.groupwise_linear(x, encoded).double()
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert groupwise_gemv_triton.TC_SCALE_AFTER and groupwise_gemv_triton.TC_PACKED_DEQUANT
+    out = groupwise_gemv_triton.groupwise_linear(x, encoded)
     decoded = encoded.decode(torch.float32).double()  # code * scale is exact in fp32
     exact = x.double() @ decoded.T
     magnitude = x.double().abs() @ decoded.abs().T
-    assert ((out - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * magnitude).all()
+    error = (out.double() - exact).abs()
+    assert (error <= 2**-8 * exact.abs() + 1e-5 * magnitude).all()
+    monkeypatch.setattr(groupwise_gemv_triton, "TC_PACKED_DEQUANT", False)
+    assert torch.equal(out, groupwise_gemv_triton.groupwise_linear(x, encoded))
     monkeypatch.setattr(groupwise_gemv_triton, "TC_SCALE_AFTER", False)
     rounded = groupwise_gemv_triton.groupwise_linear(x, encoded).double()
-    assert (out - exact).abs().mean() < (rounded - exact).abs().mean()
+    assert error.mean() < (rounded - exact).abs().mean()
 
 
 @pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
