@@ -39,7 +39,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
 GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_DIM, CONV_KERNEL = 16, 48, 128, 4
 FORMATS = ("q4_g64_fp16", "q8_g32_fp16")
 # Tensor-core GEMV settings timed at M = 8: (rows, columns per tile, warps, stages), programs
-# per SM below which K is split.
+# per SM below which K is split; the q8 format only at up to 128 columns.
 TC_VARIANTS = (
     ((128, 128, 4, 3), 6),
     ((128, 128, 4, 3), 4),
@@ -49,7 +49,11 @@ TC_VARIANTS = (
     ((128, 128, 4, 4), 6),
     ((128, 64, 4, 3), 6),
     ((64, 128, 4, 3), 6),
+    ((64, 128, 2, 3), 6),
     ((64, 256, 4, 3), 6),
+    ((64, 256, 4, 3), 4),
+    ((64, 256, 4, 4), 6),
+    ((32, 256, 2, 3), 6),
     ((128, 256, 8, 3), 6),
     ((128, 128, 8, 3), 6),
     ((256, 128, 8, 3), 6),
@@ -235,6 +239,8 @@ def main() -> None:
         groupwise_gemv_triton.TC_CONFIG = dict.fromkeys(FORMATS, config)
         groupwise_gemv_triton.TC_PROGRAMS_PER_SM = per_sm
         for name in FORMATS:
+            if name.startswith("q8") and config[1] > 128:
+                continue  # scaled after its product, a q8 tile holds at most four groups
             times = [f"{n}x{k} {bench_gemv(name, 8, n, k)[1] * 1e3:.1f}" for n, k in TC_SHAPES]
             print(
                 f"  {name[:2]} GEMV M=8, rows/columns/warps/stages {'/'.join(map(str, config))}, "

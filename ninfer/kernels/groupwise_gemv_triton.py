@@ -81,14 +81,15 @@ FINE_MAX = tl.constexpr(127.0)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Tensor-core kernel, per format: (weight rows, weight columns per tile, warps, pipeline
 # stages), and K is split while the grid would give an SM fewer than TC_PROGRAMS_PER_SM
-# programs: within 10 % of the fastest setting swept at M = 8 at every 27B shape on the GPU
-# machine, and six programs per SM gave the fastest 27B C=8 step, 0.15 ms faster than four
-# (bench/decode_kernels.md).
-TC_CONFIG = {"q8_g32_fp16": (128, 128, 4, 3), "q4_g64_fp16": (128, 128, 4, 3)}
+# programs. With each group scaled after its product (TC_SCALE_AFTER), 64 rows by 256 columns
+# (q4) and 64 by 128 (q8) were the fastest of 22 settings swept at M = 8 at the 27B products
+# and the q8 head on the GPU machine, 3-12 % faster than 128/128, and the 27B C=8 step was
+# 0.67 ms faster (bench/decode_kernels.md). A q8 tile holds at most four groups.
+TC_CONFIG = {"q8_g32_fp16": (64, 128, 4, 3), "q4_g64_fp16": (64, 256, 4, 3)}
 TC_PROGRAMS_PER_SM = 6
 # ... and while the splits' fp32 partials (written and read back) move at most this share of
-# the weight's bytes: at M = 8, 5120x6144 splits 12 ways, not 16 (the 27B C=8 step 0.14 ms
-# faster, bench/decode_kernels.md).
+# the weight's bytes: with 128/128 tiles at M = 8, 5120x6144 split 12 ways, not 16 (the 27B
+# C=8 step 0.14 ms faster, bench/decode_kernels.md); with 64/256 tiles it binds from M = 16.
 TC_PARTIAL_SHARE = 0.3
 # Registers per thread for the tensor-core kernel (None: ptxas's choice). Compiled for sm_90,
 # the split-K form takes 159-161, three programs per SM; capped at 128 it fits four with no

@@ -196,22 +196,24 @@ def test_integer_gemv_reads_short_rows_whole(interpreted):
 
 def test_tensor_core_splits_of_k_bound_the_partials_traffic(interpreted):
     """K is split to fill the H200's 132 SMs, but never so far that the splits' fp32 partials
-    move more than `TC_PARTIAL_SHARE` of the weight's bytes: at eight rows, the 27B products
-    with 5120 outputs and K 6144 split 12 ways, the wide ones as many as the SMs ask."""
+    move more than `TC_PARTIAL_SHARE` of the weight's bytes: at eight rows the SMs set every
+    27B product's splits; at sixteen the partials cap 5120x6144's at 6 instead of 8."""
     module = interpreted("groupwise_gemv_triton")
     block_n, block_k = module.TC_CONFIG["q4_g64_fp16"][:2]
 
     def splits(n: int, k: int, m: int = 8) -> tuple[int, int]:
         return module.split_k(m, k, 4, n // block_n, k // block_k, 132)
 
-    assert splits(5120, 6144) == (12, 4)
-    assert splits(5120, 17408) == (20, 7)
-    assert splits(12288, 5120) == (8, 5)
-    assert splits(34816, 5120) == (3, 14)
-    for n, k in ((5120, 6144), (5120, 17408), (12288, 5120)):
-        count, _ = splits(n, k)
-        assert 8 * 8 * n * count <= module.TC_PARTIAL_SHARE * n * k * 4 / 8
-    assert splits(5120, 6144, m=64) == (1, 48)  # many rows: the partials would cost more
+    assert splits(5120, 6144) == (8, 3)
+    assert splits(5120, 6144, m=16) == (6, 4)
+    assert splits(5120, 17408) == (10, 7)
+    assert splits(12288, 5120) == (5, 4)
+    assert splits(34816, 5120) == (2, 10)
+    for m in (8, 16):
+        for n, k in ((5120, 6144), (5120, 17408), (12288, 5120)):
+            count, _ = splits(n, k, m)
+            assert 8 * m * n * count <= module.TC_PARTIAL_SHARE * n * k * 4 / 8
+    assert splits(5120, 6144, m=64) == (1, 24)  # many rows: the partials would cost more
 
 
 @pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
