@@ -82,8 +82,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Tensor-core kernel, per format: (weight rows, weight columns per tile, warps, pipeline
 # stages), and K is split while the grid would give an SM fewer than TC_PROGRAMS_PER_SM
 # programs. With each group scaled after its product (TC_SCALE_AFTER), 64 rows by 256 columns
-# (q4) and 64 by 128 (q8) were the fastest of 22 settings swept at M = 8 at the 27B products
-# and the q8 head on the GPU machine, 3-12 % faster than 128/128, and the 27B C=8 step was
+# (q4) and 64 by 128 (q8) were the fastest of 24 settings swept at M = 8 at the 27B products
+# and the q8 head on the GPU machine, 1-12 % faster than 128/128, and the 27B C=8 step was
 # 0.67 ms faster (bench/decode_kernels.md). A q8 tile holds at most four groups.
 TC_CONFIG = {"q8_g32_fp16": (64, 128, 4, 3), "q4_g64_fp16": (64, 256, 4, 3)}
 TC_PROGRAMS_PER_SM = 6
