@@ -10,6 +10,8 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
 - at the 35B-A3B shapes, one token: the fused router's rows per program
   (`moe_router_triton`) and the integer GEMV's rows per program and words per step at the
   expert products (nine pairs, the shared expert stacked) and the dense products;
+- at the 27B shapes, one token: the same integer GEMV settings at every product of a layer
+  and the head;
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
@@ -229,31 +231,56 @@ def moe_decode_settings() -> None:
     ]
     # q4: the model's products; q8: the heads as they run (stored q6_g64, widened to q8_g32);
     # conv: the GDN in projection with its causal conv over the first 8192 channels (q|k|v)
-    for fmt, n, k, conv in (
-        (Q4, 12288, 2048, False),
-        (Q4, 12288, 2048, True),
-        (Q4, 2048, 4096, False),
-        (Q4, 9216, 2048, False),
-        (Q4, 248320, 2048, False),
-        (Q4, 248320, 5120, False),
-        (Q4, 34816, 5120, False),
-        (Q8, 248320, 2048, False),
-        (Q8, 248320, 5120, False),
+    for fmt, n, k, channels in (
+        (Q4, 12288, 2048, 0),
+        (Q4, 12288, 2048, 8192),
+        (Q4, 2048, 4096, 0),
+        (Q4, 9216, 2048, 0),
+        (Q4, 248320, 2048, 0),
+        (Q4, 248320, 5120, 0),
+        (Q4, 34816, 5120, 0),
+        (Q8, 248320, 2048, 0),
+        (Q8, 248320, 5120, 0),
     ):
-        sets = max(2, math.ceil(240e6 / fmt.encoded_nbytes((n, k))))
-        weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
-        xs = torch.randn(1, k, device=DEVICE, dtype=BF16)
-        if conv:
-            channels, slot = 8192, torch.tensor([2], device=DEVICE, dtype=torch.int32)
-            taps = torch.randn(channels, 4, device=DEVICE, dtype=BF16)
-            windows = torch.randn(4, channels, 3, device=DEVICE, dtype=BF16)
-            conv_product = groupwise_gemv_triton.integer_linear_conv
-            calls = [partial(conv_product, xs, w, taps, windows, slot) for w in weights]
-            name = f"dense q4 {n}x{k} with the conv"
-        else:
-            calls = [partial(groupwise_gemv_triton.groupwise_linear, xs, w) for w in weights]
-            name = f"dense {fmt.name[:2]} {n}x{k}"
-        products.append((name, weights[0], calls, 1))
+        products.append(_dense_product(fmt, n, k, channels))
+    _int_gemv_settings(products, copy)
+
+
+def dense_decode_settings() -> None:
+    """27B at one token: the integer GEMV by rows per program and words per step at every q4
+    product of a layer (the GDN in projection with its conv inside, as the step runs it) and
+    at the q8 head."""
+    products = [
+        _dense_product(Q4, 16384, 5120, 10240),  # GDN q|k|v|z, the conv over q|k|v
+        _dense_product(Q4, 14336, 5120, 0),  # attention q|gate|k|v
+        _dense_product(Q4, 5120, 6144, 0),  # GDN and attention out projections
+        _dense_product(Q4, 34816, 5120, 0),  # MLP gate|up
+        _dense_product(Q4, 5120, 17408, 0),  # MLP down
+        _dense_product(Q8, 248320, 5120, 0),  # the head as it runs
+    ]
+    _int_gemv_settings(products, copy_bandwidth(DEVICE))
+
+
+def _dense_product(fmt, n: int, k: int, conv_channels: int):
+    """(name, one weight, the calls rotated over, output columns) for an [n, k] product at one
+    x row; with conv_channels, the causal conv over that many leading outputs inside."""
+    sets = max(2, math.ceil(240e6 / fmt.encoded_nbytes((n, k))))
+    weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
+    x = torch.randn(1, k, device=DEVICE, dtype=BF16)
+    if conv_channels:
+        slot = torch.tensor([2], device=DEVICE, dtype=torch.int32)
+        taps = torch.randn(conv_channels, 4, device=DEVICE, dtype=BF16)
+        windows = torch.randn(4, conv_channels, 3, device=DEVICE, dtype=BF16)
+        conv_product = groupwise_gemv_triton.integer_linear_conv
+        calls = [partial(conv_product, x, w, taps, windows, slot) for w in weights]
+        return f"dense q4 {n}x{k} with the conv", weights[0], calls, 1
+    calls = [partial(groupwise_gemv_triton.groupwise_linear, x, w) for w in weights]
+    return f"dense {fmt.name[:2]} {n}x{k}", weights[0], calls, 1
+
+
+def _int_gemv_settings(products, copy: float) -> None:
+    """Each product timed at every (rows per program, words per step) setting, the rule's
+    choice marked."""
     config = groupwise_gemv_triton._int_config
     print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
     for name, weight, calls, out_cols in products:
@@ -320,6 +347,7 @@ def main() -> None:
     gdn_decode_kernels()
     gdn_decode_eight_sequences()
     moe_decode_settings()
+    dense_decode_settings()
     if not args.skip_int4pack:
         int4pack_against_ours()
 
