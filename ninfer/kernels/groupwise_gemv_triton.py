@@ -58,6 +58,8 @@ SUPPORTED = INT_FORMATS
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
+# ... INT_BLOCK_N halved while the grid would give an SM fewer programs than this.
+INT_MIN_PROGRAMS_PER_SM = 4
 # Rows of at most this many code words (the 35B-A3B experts' down projection, K = 512) are read
 # whole, in one step, by programs of INT_SHORT_ROWS_WORDS words: a program's fixed cost
 # outweighed the parallelism of small ones (4.8 against 5.8 us at nine pairs on the GPU
@@ -700,13 +702,14 @@ def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
 def _int_config(num_rows: int, row_words: int, out_cols: int, device: torch.device):
     """(rows per program, words per row and step) for rows of `row_words` code words: short
     rows whole, INT_SHORT_ROWS_WORDS words per program; otherwise INT_BLOCK_N rows, halved
-    while the grid would not give every SM four programs, and INT_STEP_WORDS spread over them."""
+    while the grid would not give every SM INT_MIN_PROGRAMS_PER_SM programs, and
+    INT_STEP_WORDS spread over them."""
     if row_words <= INT_SHORT_ROW_WORDS:
         step = next_power_of_2(row_words)
         return min(64, INT_SHORT_ROWS_WORDS // step), step
     sms = num_sms(device)
     block_n = INT_BLOCK_N
-    while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < 4 * sms:
+    while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < INT_MIN_PROGRAMS_PER_SM * sms:
         block_n //= 2
     return block_n, max(8, INT_STEP_WORDS // block_n)
 
