@@ -58,8 +58,11 @@ SUPPORTED = INT_FORMATS
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
 INT_BLOCK_N, INT_STEP_WORDS, INT_WARPS = 16, 2048, 4
-# ... INT_BLOCK_N halved while the grid would give an SM fewer programs than this.
-INT_MIN_PROGRAMS_PER_SM = 4
+# ... INT_BLOCK_N halved while the grid would give an SM fewer programs than this. At two,
+# the 27B products with 5120 outputs keep 16 rows (320 programs on 132 SMs; at four they took
+# 8): 8.9 -> 8.5 us at K = 6144 and 17.9 -> 17.1 us at K = 17408 on the GPU machine, and the
+# 27B C=1 step 0.08 ms faster (bench/decode_kernels.md, "Integer GEMV at the 27B shapes").
+INT_MIN_PROGRAMS_PER_SM = 2
 # Rows of at most this many code words (the 35B-A3B experts' down projection, K = 512) are read
 # whole, in one step, by programs of INT_SHORT_ROWS_WORDS words: a program's fixed cost
 # outweighed the parallelism of small ones (4.8 against 5.8 us at nine pairs on the GPU

@@ -183,14 +183,15 @@ def test_gemv_rejects_an_x_of_another_width(interpreted):
 def test_integer_gemv_reads_short_rows_whole(interpreted):
     """Rows of at most `INT_SHORT_ROW_WORDS` code words (the 35B-A3B experts' down projection,
     K = 512) are read whole, in one step, by programs of `INT_SHORT_ROWS_WORDS` words; longer
-    rows keep the grid rule (16 rows, halved while the SMs would get fewer than four programs
-    each) and `INT_STEP_WORDS` spread over them."""
+    rows keep the grid rule (16 rows, halved while the SMs would get fewer than
+    `INT_MIN_PROGRAMS_PER_SM` programs each) and `INT_STEP_WORDS` spread over them."""
     module = interpreted("groupwise_gemv_triton")
     cpu = torch.device("cpu")  # eight SMs, as the interpreter's grids count them
     assert module._int_config(2048, 64, 9, cpu) == (64, 64)  # q4, K = 512, nine pairs
     assert module._int_config(2048, 128, 1, cpu) == (32, 128)  # q4 K = 1024, q8 K = 512
     assert module._int_config(64, 40, 1, cpu) == (64, 64)  # padded to a power of two
     assert module._int_config(5120, 640, 1, cpu) == (16, 128)  # q4, K = 5120
+    assert module._int_config(384, 640, 1, cpu) == (16, 128)  # 24 programs: at least two per SM
     assert module._int_config(40, 288, 1, cpu) == (4, 512)  # few rows: four per program
 
 
