@@ -46,6 +46,34 @@ def test_conv_in_the_gemv_gives_the_two_kernels_bit_for_bit(kernels, format_name
     assert not torch.equal(windows[1], windows.new_zeros(channels, 3))
 
 
+@pytest.mark.parametrize("setting", [(32, 64), (16, 256)], ids=str)
+def test_conv_in_the_gemv_at_the_tuned_settings(kernels, monkeypatch, setting):
+    """The settings `INT_TUNED` gives the in projections on the H200 (32 rows by 64 words a
+    step, 16 by 256), over several steps of K and a partial last block of rows: still the GEMV
+    then the conv kernel bit for bit, and the product within the GEMV's tolerance of the fp32
+    product of the dequantized weight."""
+    gemv, conv = kernels
+    monkeypatch.setattr(gemv, "_int_config", lambda *shape: setting)
+    rows, k, channels = 80, 1024, 48
+    weight = get_format("q4_g64_fp16").encode(torch.randn(rows, k) * 0.1)
+    x = torch.randn(1, k).to(DTYPE)
+    taps = torch.randn(channels, 4).to(DTYPE)
+    windows = torch.randn(2, channels, 3).to(DTYPE)
+    slot, query_start = (
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )
+    unfused_windows = windows.clone()
+    out = gemv.integer_linear_conv(x, weight, taps, windows, slot)
+    product = gemv.integer_linear(x, weight)
+    mixed = conv.causal_conv1d(product[:, :channels], taps, unfused_windows, slot, query_start)
+    assert torch.equal(out[:, :channels], mixed)
+    assert torch.equal(out[:, channels:], product[:, channels:])
+    assert torch.equal(windows, unfused_windows)
+    exact = x.float() @ weight.decode(torch.float32).T
+    assert (product.float() - exact).abs().max() <= 2e-3 * exact.abs().max()
+
+
 def test_the_conv_in_the_gemv_takes_one_token_and_width_four_taps(kernels):
     gemv, _ = kernels
     weight = get_format("q8_g32_fp16").encode(torch.randn(64, 64))

@@ -195,6 +195,17 @@ def cases():
             torch.randn(1, 5120, dtype=BF16), weight, taps, windows, slot
         )
 
+    def integer_gemv_at_the_tuned_settings():
+        rule = groupwise_gemv_triton._int_config
+        tables = groupwise_gemv_triton.INT_TUNED.values()
+        try:
+            for setting in sorted({setting for table in tables for setting in table.values()}):
+                groupwise_gemv_triton._int_config = lambda *shape, setting=setting: setting
+                in_projection_with_the_conv()
+                kc.check_groupwise_linear(groupwise_gemv_triton, q4, 1, 2048, 5120, BF16, cpu, 1e-2)
+        finally:
+            groupwise_gemv_triton._int_config = rule
+
     def gated_decode_attention():
         pages = torch.arange(8, dtype=torch.int32).reshape(1, 8)
         k_cache, v_cache = (torch.randn(8, 64, 4, 256, dtype=BF16) for _ in range(2))
@@ -256,6 +267,7 @@ def cases():
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),
+        ("integer gemv at the tuned settings", integer_gemv_at_the_tuned_settings),
         ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
         ("dequantization", lambda: kc.check_groupwise_dequant(
