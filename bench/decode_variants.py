@@ -214,21 +214,19 @@ def moe_decode_settings() -> None:
     rows_in = torch.arange(pairs, device=DEVICE, dtype=torch.int32)
     hidden_in = torch.randn(pairs, inter, device=DEVICE, dtype=BF16)
     grouped = groupwise_gemv_triton.grouped_groupwise_linear
-    # (name, one weight of the product's shape, the calls rotated over, output columns, conv)
+    # (name, one weight of the product's shape, the calls rotated over, output columns)
     products = [
         (
             f"experts gate|up, {pairs} x {2 * inter}x{hidden}",
             gate_up,
             [partial(grouped, x, gate_up, tokens, e) for e in choices],
             pairs,
-            False,
         ),
         (
             f"experts down, {pairs} x {hidden}x{inter}",
             down,
             [partial(grouped, hidden_in, down, rows_in, e) for e in choices],
             pairs,
-            False,
         ),
     ]
     # q4: the model's products; q8: the heads as they run (stored q6_g64, widened to q8_g32);
@@ -264,9 +262,8 @@ def dense_decode_settings() -> None:
 
 
 def _dense_product(fmt, n: int, k: int, conv_channels: int):
-    """(name, one weight, the calls rotated over, output columns, conv inside) for an [n, k]
-    product at one x row; with conv_channels, the causal conv over that many leading outputs
-    inside."""
+    """(name, one weight, the calls rotated over, output columns) for an [n, k] product at one
+    x row; with conv_channels, the causal conv over that many leading outputs inside."""
     sets = max(2, math.ceil(240e6 / fmt.encoded_nbytes((n, k))))
     weights = [fmt.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
     x = torch.randn(1, k, device=DEVICE, dtype=BF16)
@@ -276,9 +273,9 @@ def _dense_product(fmt, n: int, k: int, conv_channels: int):
         windows = torch.randn(4, conv_channels, 3, device=DEVICE, dtype=BF16)
         conv_product = groupwise_gemv_triton.integer_linear_conv
         calls = [partial(conv_product, x, w, taps, windows, slot) for w in weights]
-        return f"dense q4 {n}x{k} with the conv", weights[0], calls, 1, True
+        return f"dense q4 {n}x{k} with the conv", weights[0], calls, 1
     calls = [partial(groupwise_gemv_triton.groupwise_linear, x, w) for w in weights]
-    return f"dense {fmt.name[:2]} {n}x{k}", weights[0], calls, 1, False
+    return f"dense {fmt.name[:2]} {n}x{k}", weights[0], calls, 1
 
 
 def _int_gemv_settings(products, copy: float) -> None:
@@ -286,12 +283,12 @@ def _int_gemv_settings(products, copy: float) -> None:
     choice marked."""
     config = groupwise_gemv_triton._int_config
     print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
-    for name, weight, calls, out_cols, conv in products:
+    for name, weight, calls, out_cols in products:
         rows, k = weight.shape[-2:]
         moved = out_cols * get_format(weight.format).encoded_nbytes((rows, k))
         row_words = weight.planes["codes"].shape[-1] // 4
         bits = INT_FORMATS[weight.format][0]
-        chosen = config(rows, row_words, out_cols, torch.device(DEVICE), bits, conv)
+        chosen = config(rows, row_words, out_cols, torch.device(DEVICE), bits)
         for block_n in (4, 8, 16, 32, 64):
             for words in (1024, 2048, 4096):
                 setting = block_n, max(8, words // block_n)

@@ -70,17 +70,17 @@ INT_MIN_PROGRAMS_PER_SM = 2
 # machine; bench/decode_kernels.md, "Integer GEMV and fused router at the 35B-A3B shapes").
 INT_SHORT_ROW_WORDS, INT_SHORT_ROWS_WORDS = 128, 4096
 # One-row products whose fastest setting on a device differs from the rule's, as (rows per
-# program, words per row and step) by device name, then (bits, rows, code words per row,
-# whether the GDN conv runs inside). From the sweeps of `python bench/decode_variants.py`
-# (bench/decode_kernels.md, "Integer GEMV at the 27B shapes" and "... at the 35B-A3B
-# shapes"): no rule over rows or programs per SM separates these from the products where
-# their settings are slower.
-INT_TUNED: dict[str, dict[tuple[int, int, int, bool], tuple[int, int]]] = {
+# program, words per row and step) by device name, then (bits, rows, code words per row).
+# From the sweeps of `python bench/decode_variants.py` (bench/decode_kernels.md, "Integer
+# GEMV at the 27B shapes" and "... at the 35B-A3B shapes"): no rule over rows or programs
+# per SM separates these from the products where their settings are slower. A product takes
+# its setting with the GDN conv inside or not, so that the two stay bit for bit alike.
+INT_TUNED: dict[str, dict[tuple[int, int, int], tuple[int, int]]] = {
     "NVIDIA H200": {
-        (4, 16384, 640, True): (32, 64),  # 27B GDN q|k|v|z with its conv: 18.0 -> 16.2 us
-        (4, 14336, 640, False): (32, 64),  # 27B attention q|gate|k|v: 14.2 -> 13.9 us
-        (4, 5120, 2176, False): (16, 256),  # 27B MLP down: 17.1 -> 16.7 us
-        (4, 12288, 256, True): (32, 64),  # 35B-A3B GDN q|k|v|z with its conv: 7.8 -> 7.2 us
+        (4, 16384, 640): (32, 64),  # 27B GDN q|k|v|z, with its conv: 18.0 -> 16.2 us
+        (4, 14336, 640): (32, 64),  # 27B attention q|gate|k|v: 14.2 -> 13.9 us
+        (4, 5120, 2176): (16, 256),  # 27B MLP down: 17.1 -> 16.7 us
+        (4, 12288, 256): (32, 64),  # 35B-A3B GDN q|k|v|z: 7.2 -> 6.6 us, with its conv 7.8 -> 7.2
     },
 }
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
@@ -723,7 +723,6 @@ def _int_config(
     out_cols: int,
     device: torch.device,
     bits: int = 4,
-    conv: bool = False,
 ):
     """(rows per program, words per row and step) for rows of `row_words` code words: a
     one-row product listed in INT_TUNED for the device takes its setting; short rows whole,
@@ -731,7 +730,7 @@ def _int_config(
     would not give every SM INT_MIN_PROGRAMS_PER_SM programs, and INT_STEP_WORDS spread over
     them."""
     if out_cols == 1 and device.type == "cuda":
-        tuned = INT_TUNED.get(_device_name(device), {}).get((bits, num_rows, row_words, conv))
+        tuned = INT_TUNED.get(_device_name(device), {}).get((bits, num_rows, row_words))
         if tuned is not None:
             return tuned
     if row_words <= INT_SHORT_ROW_WORDS:
@@ -776,9 +775,7 @@ def _int_linear(
         x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
     else:
         x_codes, corr, steps = split.codes, split.corr, split.steps
-    block_n, block_words = _int_config(
-        num_rows, num_words, out_rows, x.device, bits, conv is not None
-    )
+    block_n, block_words = _int_config(num_rows, num_words, out_rows, x.device, bits)
     words_per_group = group * bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
     _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_rows)](

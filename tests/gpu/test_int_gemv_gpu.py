@@ -34,6 +34,20 @@ def test_integer_gemv_at_the_27b_shapes(format_name, n, k, m):
 
 
 @pytest.mark.parametrize(
+    ("n", "k"), [(16384, 5120), (14336, 5120), (5120, 17408), (12288, 2048)], ids=str
+)
+def test_integer_gemv_at_the_settings_tuned_for_this_device(n, k):
+    """The one-row q4 products that `INT_TUNED` may list for this GPU (the H200's: 32 rows by 64
+    words, 16 by 256), at their shapes: within the same bound as every setting."""
+    from ninfer.kernels import groupwise_gemv_triton
+
+    torch.manual_seed(n + k)
+    check_groupwise_linear(
+        groupwise_gemv_triton, "q4_g64_fp16", 1, n, k, torch.bfloat16, "cuda", 4e-3
+    )
+
+
+@pytest.mark.parametrize(
     "format_name", ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
 )
 def test_encoding_on_the_gpu_gives_the_cpu_planes(format_name):

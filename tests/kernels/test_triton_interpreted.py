@@ -197,21 +197,20 @@ def test_integer_gemv_reads_short_rows_whole(interpreted):
 
 def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, monkeypatch):
     """A one-row product that `INT_TUNED` lists for the device takes its setting; the same
-    shape on another device, in another format, without the conv, or at more output columns
-    takes the rule."""
+    shape on another device, in another format or at more output columns takes the rule."""
     module = interpreted("groupwise_gemv_triton")
     cuda = torch.device("cuda")
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
     monkeypatch.setattr(module, "_device_name", lambda device: "NVIDIA H200")
-    assert module._int_config(16384, 640, 1, cuda, 4, True) == (32, 64)  # 27B GDN in proj
-    assert module._int_config(14336, 640, 1, cuda, 4, False) == (32, 64)  # 27B attention
-    assert module._int_config(5120, 2176, 1, cuda, 4, False) == (16, 256)  # 27B MLP down
-    assert module._int_config(12288, 256, 1, cuda, 4, True) == (32, 64)  # 35B-A3B GDN in proj
-    assert module._int_config(16384, 640, 1, cuda, 4, False) == (16, 128)
-    assert module._int_config(16384, 640, 1, cuda, 8, True) == (16, 128)
-    assert module._int_config(16384, 640, 2, cuda, 4, True) == (16, 128)
+    assert module._int_config(16384, 640, 1, cuda, 4) == (32, 64)  # 27B GDN in projection
+    assert module._int_config(14336, 640, 1, cuda, 4) == (32, 64)  # 27B attention
+    assert module._int_config(5120, 2176, 1, cuda, 4) == (16, 256)  # 27B MLP down
+    assert module._int_config(12288, 256, 1, cuda, 4) == (32, 64)  # 35B-A3B GDN in projection
+    assert module._int_config(16384, 640, 1, cuda, 8) == (16, 128)
+    assert module._int_config(16384, 640, 2, cuda, 4) == (16, 128)
+    assert module._int_config(5120, 640, 1, cuda, 4) == (16, 128)
     monkeypatch.setattr(module, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert module._int_config(16384, 640, 1, cuda, 4, True) == (16, 128)
+    assert module._int_config(16384, 640, 1, cuda, 4) == (16, 128)
 
 
 def test_tensor_core_splits_of_k_bound_the_partials_traffic(interpreted):
