@@ -322,6 +322,27 @@ def grouped_groupwise_linear(
     return gemv_reference.grouped_groupwise_linear(x, weight, x_rows, experts)
 
 
+def grouped_swiglu_linear(
+    gate_up: torch.Tensor,
+    weight: EncodedTensor,
+    x_rows: torch.Tensor,
+    experts: torch.Tensor,
+    split: SplitRequest | None = None,
+) -> torch.Tensor:
+    """MoE experts' down projection of their SwiGLU: gate_up [T, 2K] the gate|up product's
+    rows (gate, then up); row p of the [P, N] result is W[experts[p]] @ silu(gate) * up of row
+    x_rows[p]. The Triton form computes the activation inside the product where the kernel
+    reads a row whole (`groupwise_gemv_triton.swiglu_fits`: the 35B-A3B experts' K = 512);
+    otherwise `silu_mul` (writing the codes `split` asks for) and the grouped product."""
+    if use_triton(gate_up, *weight.planes.values()) and gate_up.dtype in _HALF:
+        from ninfer.kernels import groupwise_gemv_triton
+
+        if groupwise_gemv_triton.swiglu_fits(weight):
+            return groupwise_gemv_triton.grouped_swiglu_linear(gate_up, weight, x_rows, experts)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return grouped_groupwise_linear(silu_mul(gate, up, split), weight, x_rows, experts)
+
+
 def groupwise_linear_conv(
     x: torch.Tensor,
     weight: EncodedTensor,

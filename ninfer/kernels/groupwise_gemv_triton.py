@@ -83,6 +83,9 @@ INT_TUNED: dict[str, dict[tuple[int, int, int], tuple[int, int]]] = {
         (4, 12288, 256): (32, 64),  # 35B-A3B GDN q|k|v|z: 7.2 -> 6.6 us, with its conv 7.8 -> 7.2
     },
 }
+# The MoE experts' down projection takes the SwiGLU before it inside its kernel where its rows
+# are read whole (`grouped_swiglu_linear`): one launch fewer per MoE layer.
+INT_SWIGLU_INSIDE = True
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
@@ -423,26 +426,15 @@ def _bf16_halves(raw, scale):
 
 
 @triton.jit
-def split_values(
-    x,
-    groups,
-    num_groups,
-    m,
-    xq_ptr,
-    corr_ptr,
-    xscale_ptr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    """Split the values x [BLOCK_G, GROUP] (fp32; zeros past the row's end) of groups `groups`
-    of x row m into coarse + fine int8 codes, x ~ s * (254 * coarse + fine), and pack them in
-    the weight words' value order (written to row m of the split buffers,
-    `x_split.split_buffers`): word t of parity p holds bytes i = 0..3 of values t * per_word +
-    i * stride + p (q4: the low nibbles of a word are its even values, the high nibbles its odd
-    ones), so the group's values are [words, 4, parities] in order and a word is a sum over
-    its four bytes."""
-    group_mask = groups < num_groups
+def split_codes(x, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The split of the values x [BLOCK_G, GROUP] (fp32; a group per row) into coarse + fine
+    int8 codes, x ~ s * (254 * coarse + fine), packed in the weight words' value order: word
+    t of parity p holds bytes i = 0..3 of values t * per_word + i * stride + p (q4: the low
+    nibbles of a word are its even values, the high nibbles its odd ones), so the group's
+    values are [words, 4, parities] in order and a word is a sum over its four bytes.
+    Returns (coarse words, fine words) [BLOCK_G, words per group, parities], the fine unit s
+    per group and, for q4, 8 times the group's sum of codes (the correction the GEMV
+    subtracts, as it reads code + 8), else zeros."""
     amax = tl.max(tl.abs(x), axis=1)
     step = amax * (1.0 / (FINE * FINE_MAX))  # one fine unit; a coarse unit is FINE of them
     inv_fine = tl.where(amax > 0, (FINE * FINE_MAX) / tl.where(amax > 0, amax, 1.0), 0.0)
@@ -462,6 +454,33 @@ def split_values(
     shifts = (8 * tl.arange(0, 4))[None, None, :, None]
     packed_coarse = tl.sum((c & 0xFF) << shifts, axis=2)  # [BLOCK_G, words, parities]
     packed_fine = tl.sum((f & 0xFF) << shifts, axis=2)
+    if BITS == 4:
+        corr = 8 * tl.sum(tl.reshape(c * FINE + f, [BLOCK_G, GROUP]), axis=1)
+    else:
+        corr = tl.zeros([BLOCK_G], tl.int32)
+    return packed_coarse, packed_fine, step, corr
+
+
+@triton.jit
+def split_values(
+    x,
+    groups,
+    num_groups,
+    m,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """Split the values x [BLOCK_G, GROUP] (fp32; zeros past the row's end) of groups `groups`
+    of x row m (`split_codes`) and write them to row m of the split buffers
+    (`x_split.split_buffers`)."""
+    group_mask = groups < num_groups
+    packed_coarse, packed_fine, step, corr = split_codes(x, BITS, GROUP, BLOCK_G)
+    parities: tl.constexpr = 2 if BITS == 4 else 1
+    words_per_group: tl.constexpr = GROUP * BITS // 32
     words = groups[:, None] * words_per_group + tl.arange(0, words_per_group)[None, :]
     words_per_row = num_groups * words_per_group
     level = parities * words_per_row
@@ -481,8 +500,7 @@ def split_values(
     tl.store(xscale_ptr + x_groups, step, mask=group_mask)
     if BITS == 4:
         # the q4 codes are read as u = code + 8: sum(u * x) - 8 * sum(x) = sum(code * x)
-        sums = tl.sum(tl.reshape(c * FINE + f, [BLOCK_G, GROUP]), axis=1)
-        tl.store(corr_ptr + x_groups, 8 * sums, mask=group_mask)
+        tl.store(corr_ptr + x_groups, corr, mask=group_mask)
 
 
 @triton.jit
@@ -583,6 +601,8 @@ def _groupwise_gemv_int_kernel(
     stride_se,
     stride_scales,
     stride_om,
+    swiglu_ptr,
+    stride_swiglu,
     conv_weight_ptr,
     windows_ptr,
     state_slots_ptr,
@@ -593,6 +613,7 @@ def _groupwise_gemv_int_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     GATHER: tl.constexpr,
+    SWIGLU: tl.constexpr,
     CONV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
@@ -609,7 +630,10 @@ def _groupwise_gemv_int_kernel(
     causal conv over the channel's window (state slot state_slots[0]) and the product rounded
     to out's dtype, in `causal_conv1d_triton`'s arithmetic, then shifts the product into the
     window. Taps and window are read before the product, so that their latency hides behind
-    it; each channel is one program's alone."""
+    it; each channel is one program's alone.
+    SWIGLU (with GATHER; the whole row in one step of BLOCK_WORDS words): x row m is silu(gate)
+    * up of row m of swiglu_ptr's [gate | up] rows, rounded to their dtype and split here, in
+    `swiglu_triton`'s and `split_codes`' arithmetic; xq, corr and xscale are not read."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     col = tl.program_id(1)
@@ -639,6 +663,22 @@ def _groupwise_gemv_int_kernel(
     words_per_group: tl.constexpr = GROUP * BITS // 32
     level = parities * num_words
     x_words = xq_ptr + m * (2 * level)
+    if SWIGLU:
+        row_groups: tl.constexpr = BLOCK_WORDS // words_per_group
+        values = tl.arange(0, row_groups * GROUP)
+        gate_row = swiglu_ptr + m * stride_swiglu
+        gate = tl.load(gate_row + values).to(tl.float32)
+        up = tl.load(gate_row + row_groups * GROUP + values).to(tl.float32)
+        hidden = (gate * tl.sigmoid(gate) * up).to(swiglu_ptr.dtype.element_ty).to(tl.float32)
+        own_coarse, own_fine, own_step, own_corr = split_codes(
+            tl.reshape(hidden, [row_groups, GROUP]), BITS, GROUP, row_groups
+        )
+        if BITS == 4:
+            even_coarse, odd_coarse = tl.split(own_coarse)
+            even_fine, odd_fine = tl.split(own_fine)
+        else:
+            even_coarse = tl.reshape(own_coarse, [row_groups, words_per_group])
+            even_fine = tl.reshape(own_fine, [row_groups, words_per_group])
     word_rows = words_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_words
     scale_rows = scales_ptr + expert * stride_se + rows[:, None].to(tl.int64) * stride_scales
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -646,14 +686,22 @@ def _groupwise_gemv_int_kernel(
         cols = start + tl.arange(0, BLOCK_WORDS)
         col_mask = cols < num_words
         w = tl.load(word_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :])
-        x_coarse = tl.load(x_words + cols, mask=col_mask, other=0)[None, :]
-        x_fine = tl.load(x_words + level + cols, mask=col_mask, other=0)[None, :]
+        if SWIGLU:
+            x_coarse = tl.reshape(even_coarse, [BLOCK_WORDS])[None, :]
+            x_fine = tl.reshape(even_fine, [BLOCK_WORDS])[None, :]
+        else:
+            x_coarse = tl.load(x_words + cols, mask=col_mask, other=0)[None, :]
+            x_fine = tl.load(x_words + level + cols, mask=col_mask, other=0)[None, :]
         if BITS == 4:
             low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
             high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
-            odd = x_words + num_words + cols
-            xo_coarse = tl.load(odd, mask=col_mask, other=0)[None, :]
-            xo_fine = tl.load(odd + level, mask=col_mask, other=0)[None, :]
+            if SWIGLU:
+                xo_coarse = tl.reshape(odd_coarse, [BLOCK_WORDS])[None, :]
+                xo_fine = tl.reshape(odd_fine, [BLOCK_WORDS])[None, :]
+            else:
+                odd = x_words + num_words + cols
+                xo_coarse = tl.load(odd, mask=col_mask, other=0)[None, :]
+                xo_fine = tl.load(odd + level, mask=col_mask, other=0)[None, :]
             coarse = _int_dot(high, xo_coarse, _int_dot(low, x_coarse, 0, False, ASM), False, ASM)
             fine = _int_dot(high, xo_fine, _int_dot(low, x_fine, 0, False, ASM), False, ASM)
         else:
@@ -667,9 +715,14 @@ def _groupwise_gemv_int_kernel(
         groups = start // words_per_group + tl.arange(0, BLOCK_WORDS // words_per_group)
         g_mask = groups < num_groups
         x_groups = m * num_groups + groups
-        if BITS == 4:
-            group_sums -= tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
-        x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
+        if SWIGLU:
+            if BITS == 4:
+                group_sums -= own_corr[None, :]
+            x_scale = own_step
+        else:
+            if BITS == 4:
+                group_sums -= tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
+            x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
         w_scale = tl.load(
             scale_rows + groups[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0.0
         ).to(tl.float32)
@@ -758,6 +811,7 @@ def _int_linear(
     x_rows: torch.Tensor | None = None,
     experts: torch.Tensor | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """x split into int8 pairs once, then the integer GEMV over codes [(E,) N, Kp*bits/8] and
     scales [(E,) N, Kp/group]; with `conv` (taps, windows, state slots), the causal conv of
@@ -770,11 +824,12 @@ def _int_linear(
     words = codes.view(torch.int32)
     num_words = words.shape[-1]
     num_groups = scales.shape[-1]
-    split = attached(x, bits, group, num_groups)
-    if split is None:
-        x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
-    else:
+    if swiglu:  # x is [gate | up]; the kernel splits the activation itself
+        x_codes = corr = steps = x
+    elif (split := attached(x, bits, group, num_groups)) is not None:
         x_codes, corr, steps = split.codes, split.corr, split.steps
+    else:
+        x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
     block_n, block_words = _int_config(num_rows, num_words, out_rows, x.device, bits)
     words_per_group = group * bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
@@ -795,6 +850,8 @@ def _int_linear(
         scales.stride(0) if scales.dim() == 3 else 0,
         scales.stride(-2),
         out.stride(0),
+        x if swiglu else out,
+        x.stride(0) if swiglu else 0,
         *(conv if conv is not None else (out, out, out)),
         conv[0].shape[0] if conv is not None else 0,
         conv[0].stride(0) if conv is not None else 0,
@@ -803,6 +860,7 @@ def _int_linear(
         BITS=bits,
         GROUP=group,
         GATHER=gather,
+        SWIGLU=swiglu,
         CONV=conv is not None,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,
@@ -841,6 +899,43 @@ def grouped_groupwise_linear(
     expert ids are read on the device, so the call has fixed shapes (CUDA-graph safe)."""
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     return _int_linear(x, codes, scales, weight.shape[1], bits, group, x_rows, experts)
+
+
+def swiglu_fits(weight: EncodedTensor) -> bool:
+    """Whether `grouped_swiglu_linear` takes stacked experts `weight`: a SUPPORTED format whose
+    rows of K values are whole groups and at most INT_SHORT_ROW_WORDS code words, a power of
+    two (the kernel reads such a row, and splits the activation, in one step); and
+    INT_SWIGLU_INSIDE."""
+    if not INT_SWIGLU_INSIDE or weight.format not in SUPPORTED:
+        return False
+    bits, group = SUPPORTED[weight.format]
+    k = weight.shape[-1]
+    words = k * bits // 32
+    return k % group == 0 and words <= INT_SHORT_ROW_WORDS and next_power_of_2(words) == words
+
+
+def grouped_swiglu_linear(
+    gate_up: torch.Tensor, weight: EncodedTensor, x_rows: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """MoE decode, the experts' down projection with the SwiGLU before it in its kernel:
+    gate_up [T, 2K] (gate | up, as the gate|up product writes them); weight stacked experts
+    [E, N, K] that `swiglu_fits`. Returns [P, N]: row p is W[experts[p]] @ silu(gate) * up of
+    row x_rows[p], bit for bit `swiglu_triton.silu_mul` (with the x split) followed by
+    `grouped_groupwise_linear`, with no launch and no activation in memory between them."""
+    if not swiglu_fits(weight):
+        raise ValueError(
+            f"the SwiGLU in the product does not take a {weight.format} {weight.shape}"
+        )
+    k = weight.shape[-1]
+    if gate_up.shape[-1] != 2 * k or gate_up.stride(-1) != 1:
+        raise ValueError(f"gate|up {tuple(gate_up.shape)}: [T, {2 * k}] with unit stride wanted")
+    bits, group = SUPPORTED[weight.format]
+    codes, scales = weight.planes["codes"], weight.planes["scales"]
+    if codes.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise ValueError("groupwise GEMV needs unit stride along K")
+    return _int_linear(
+        gate_up, codes, scales, weight.shape[1], bits, group, x_rows, experts, swiglu=True
+    )
 
 
 def integer_linear_conv(

@@ -47,6 +47,34 @@ def test_grouped_gemv_at_the_35b_a3b_expert_shapes(format_name, n, k, num_tokens
     )
 
 
+@pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize("pairs", [9, 72, 576])
+def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(format_name, pairs):
+    """The experts' down projection with the SwiGLU in its kernel, at the 35B-A3B shapes (K =
+    512, 2048 rows; one to 64 tokens of nine pairs, the shared expert's among them), bf16: the
+    SwiGLU kernel with the codes, then the grouped product, bit for bit."""
+    from ninfer.kernels import groupwise_gemv_triton, swiglu_triton
+    from ninfer.kernels.x_split import SplitRequest
+    from ninfer.quant import EncodedTensor
+
+    torch.manual_seed(pairs)
+    stacked = get_format(format_name).encode(
+        torch.randn(NUM_EXPERTS * HIDDEN, WIDTH, device="cuda") * WIDTH**-0.5
+    )
+    planes = {name: p.reshape(NUM_EXPERTS, HIDDEN, -1) for name, p in stacked.planes.items()}
+    weight = EncodedTensor(stacked.format, stacked.layout, (NUM_EXPERTS, HIDDEN, WIDTH), planes)
+    assert groupwise_gemv_triton.swiglu_fits(weight)
+    gate_up = torch.randn(pairs, 2 * WIDTH, device="cuda", dtype=BF16) * 2
+    rows = torch.arange(pairs, device="cuda", dtype=torch.int32)
+    ids = torch.randint(0, NUM_EXPERTS, (pairs,), device="cuda", dtype=torch.int32)
+    fused = groupwise_gemv_triton.grouped_swiglu_linear(gate_up, weight, rows, ids)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = swiglu_triton.silu_mul(gate, up, SplitRequest.for_format(format_name, pairs))
+    assert torch.equal(
+        fused, groupwise_gemv_triton.grouped_groupwise_linear(hidden, weight, rows, ids)
+    )
+
+
 @pytest.fixture(scope="module")
 def stored_experts() -> dict:
     """Each format's stacked experts as a converter stores them (planes [E * N, ...])."""

@@ -12,7 +12,7 @@ import torch
 from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels.x_split import SplitRequest, attached
-from ninfer.quant import get_format
+from ninfer.quant import EncodedTensor, get_format
 
 require_interpreter()
 
@@ -131,3 +131,27 @@ def test_writing_the_codes_leaves_the_output_as_it_was(produce, fmt):
     with_codes = produce(SplitRequest.for_format(fmt), 1)
     torch.manual_seed(1)
     assert torch.equal(with_codes, produce(None, 1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt):
+    """The experts' down projection with the SwiGLU in its kernel (`grouped_swiglu_linear`,
+    rows of K = 512 read whole) gives SwiGLU with its codes and then the grouped product, bit
+    for bit, a padding pair (x row -1) writing nothing in both."""
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    swiglu = load_kernel_module("swiglu_triton")
+    experts, rows, k, pairs = 5, 48, 512, 4
+    stacked = get_format(fmt).encode(torch.randn(experts * rows, k) * 0.05)
+    planes = {name: p.reshape(experts, rows, -1) for name, p in stacked.planes.items()}
+    weight = EncodedTensor(stacked.format, stacked.layout, (experts, rows, k), planes)
+    assert gemv.swiglu_fits(weight)
+    gate_up = (torch.randn(pairs, 2 * k) * 2).to(DTYPE)
+    x_rows = torch.tensor([0, 1, -1, 3], dtype=torch.int32)
+    ids = torch.tensor([4, 0, 2, 4], dtype=torch.int32)
+    fused = gemv.grouped_swiglu_linear(gate_up, weight, x_rows, ids)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = swiglu.silu_mul(gate, up, SplitRequest.for_format(fmt, pairs))
+    bits, group = gemv.SUPPORTED[fmt]
+    assert attached(hidden, bits, group, k // group) is not None  # the product reads the codes
+    unfused = gemv.grouped_groupwise_linear(hidden, weight, x_rows, ids)
+    assert torch.equal(fused[[0, 1, 3]], unfused[[0, 1, 3]])

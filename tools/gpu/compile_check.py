@@ -170,7 +170,7 @@ def cases():
         swiglu_triton,
     )
     from ninfer.kernels.x_split import SplitRequest
-    from ninfer.quant import get_format
+    from ninfer.quant import EncodedTensor, get_format
 
     cpu, q4, q8 = "cpu", "q4_g64_fp16", "q8_g32_fp16"
     split = SplitRequest.for_format(q4)
@@ -205,6 +205,14 @@ def cases():
                 kc.check_groupwise_linear(groupwise_gemv_triton, q4, 1, 2048, 5120, BF16, cpu, 1e-2)
         finally:
             groupwise_gemv_triton._int_config = rule
+
+    def experts_down_with_the_swiglu():
+        stacked = get_format(q4).encode(torch.randn(257 * 2048, 512) * 0.02)
+        planes = {name: p.reshape(257, 2048, -1) for name, p in stacked.planes.items()}
+        weight = EncodedTensor(stacked.format, stacked.layout, (257, 2048, 512), planes)
+        pairs = torch.arange(9, dtype=torch.int32)
+        gate_up = torch.randn(9, 1024, dtype=BF16)
+        groupwise_gemv_triton.grouped_swiglu_linear(gate_up, weight, pairs, pairs)
 
     def gated_decode_attention():
         pages = torch.arange(8, dtype=torch.int32).reshape(1, 8)
@@ -268,6 +276,7 @@ def cases():
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),
         ("integer gemv at the tuned settings", integer_gemv_at_the_tuned_settings),
+        ("grouped gemv with the swiglu", experts_down_with_the_swiglu),
         ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
         ("dequantization", lambda: kc.check_groupwise_dequant(

@@ -31,6 +31,7 @@ from torch import nn
 from ninfer.errors import ArtifactError
 from ninfer.kernels.dispatch import (
     grouped_groupwise_linear,
+    grouped_swiglu_linear,
     groupwise_dequant,
     moe_combine,
     moe_route,
@@ -282,11 +283,10 @@ class GroupwiseExperts(RoutedExperts):
         pairs: torch.Tensor,
     ) -> torch.Tensor:
         """[P, H]: row p is local expert pair_experts[p]'s SwiGLU of x[pair_tokens[p]] (`pairs`
-        is 0..P-1, the rows the down projection reads). Two grouped GEMVs and the activation."""
+        is 0..P-1, the rows the down projection reads). Two grouped GEMVs, the activation in
+        the second where its kernel takes it (`grouped_swiglu_linear`)."""
         gate_up = grouped_groupwise_linear(x, self.gate_up_proj, pair_tokens, pair_experts)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = silu_mul(gate, up, self.down_split)
-        return grouped_groupwise_linear(hidden, self.down_proj, pairs, pair_experts)
+        return grouped_swiglu_linear(gate_up, self.down_proj, pairs, pair_experts, self.down_split)
 
     def _forward_grouped_mm(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
