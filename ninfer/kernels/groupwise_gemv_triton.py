@@ -833,6 +833,8 @@ def _int_linear(
     block_n, block_words = _int_config(num_rows, num_words, out_rows, x.device, bits)
     words_per_group = group * bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
+    if swiglu:  # the kernel splits the activation of the whole row in one step
+        block_words = num_words
     _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_rows)](
         x_codes,
         corr,
