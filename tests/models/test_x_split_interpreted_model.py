@@ -56,17 +56,26 @@ def test_dense_model_logits_are_the_same_bits_with_producer_splits(triton_everyw
     assert splits_before > 0 and triton_everywhere["split_x"] == 0
 
 
-def test_moe_block_output_is_the_same_bits_with_producer_splits(triton_everywhere):
+def test_moe_block_output_is_the_same_bits_with_producer_splits(triton_everywhere, monkeypatch):
+    """With the experts' activation in its own kernel, which writes the down projection's
+    codes when asked; and with the activation inside the down projection, which splits it
+    there: the same bits."""
     block = moe_block(128, 8, 2, 128, encoded=True)
     block.fuse_projections()
     assert block.stack_shared_expert()
     block = block.to(torch.float16)
+    assert gemv.swiglu_fits(block.experts.down_proj)
     x = torch.randn(1, 128).to(torch.float16)
+    monkeypatch.setattr(gemv, "INT_SWIGLU_INSIDE", False)
     with torch.inference_mode():
         base = block(x)
         splits_before = triton_everywhere["split_x"]
         assert request_x_splits(block) == 1  # the experts' activation (the norm is outside)
         triton_everywhere["split_x"] = 0
         written = block(x)
-    assert torch.equal(base, written)
-    assert triton_everywhere["split_x"] == splits_before - 1
+        assert triton_everywhere["split_x"] == splits_before - 1
+        monkeypatch.setattr(gemv, "INT_SWIGLU_INSIDE", True)
+        triton_everywhere["split_x"] = 0
+        inside = block(x)
+        assert triton_everywhere["split_x"] == splits_before - 1
+    assert torch.equal(base, written) and torch.equal(base, inside)
