@@ -134,10 +134,17 @@ def test_writing_the_codes_leaves_the_output_as_it_was(produce, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt):
+def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt, monkeypatch):
     """The experts' down projection with the SwiGLU in its kernel (`grouped_swiglu_linear`,
     rows of K = 512 read whole) gives SwiGLU with its codes and then the grouped product, bit
-    for bit, a padding pair (x row -1) writing nothing in both."""
+    for bit, a padding pair (x row -1) writing nothing in both (outputs start as NaN here)."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     gemv = load_kernel_module("groupwise_gemv_triton")
     swiglu = load_kernel_module("swiglu_triton")
     experts, rows, k, pairs = 5, 48, 512, 4
@@ -155,3 +162,4 @@ def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt):
     assert attached(hidden, bits, group, k // group) is not None  # the product reads the codes
     unfused = gemv.grouped_groupwise_linear(hidden, weight, x_rows, ids)
     assert torch.equal(fused[[0, 1, 3]], unfused[[0, 1, 3]])
+    assert fused[2].isnan().all() and unfused[2].isnan().all()
