@@ -171,6 +171,7 @@ def _groupwise_gemv_kernel(
             groups_per_tile == 1 or groups_per_tile == 2 or groups_per_tile == 4,
             "scaled after: one, two or four groups per tile",
         )
+        row_codes = codes_ptr + rows[:, None].to(tl.int64) * stride_codes
         for tile in tl.range(first, last, num_stages=STAGES):
             # the tile's scales in one load, which the pipeline stages with the codes: loaded
             # a group at a time, each took a pass through shared memory and a barrier to reach
@@ -186,7 +187,7 @@ def _groupwise_gemv_kernel(
                 acc = _group_scaled_after(
                     acc,
                     tile * groups_per_tile + g,
-                    codes_ptr + rows[:, None].to(tl.int64) * stride_codes,
+                    row_codes,
                     s0 if g == 0 else (s1 if g == 1 else (s2 if g == 2 else s3)),
                     x_rows,
                     row_mask,
@@ -352,6 +353,8 @@ def _group_scaled_after(
         raw = tl.load(code_rows + group * group_bytes + in_group[None, :])
         xs = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
     else:
+        # the group's liveness as a tensor of the rows' shape (the interpreter takes no scalar
+        # mask in a tensor's)
         live = row_mask & (group + tl.zeros_like(row_mask.to(tl.int32)) < num_groups)
         raw = tl.load(
             code_rows + group * group_bytes + in_group[None, :], mask=live[:, None], other=0
