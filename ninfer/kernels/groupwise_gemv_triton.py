@@ -189,6 +189,7 @@ def _groupwise_gemv_kernel(
             groups_per_tile == 1 or groups_per_tile == 2 or groups_per_tile == 4,
             "scaled after: one, two or four groups per tile",
         )
+        row_codes = codes_ptr + rows[:, None].to(tl.int64) * stride_codes
         for tile in tl.range(first, last, num_stages=STAGES):
             # the tile's scales in one load, which the pipeline stages with the codes: loaded
             # a group at a time, each took a pass through shared memory and a barrier to reach
@@ -204,7 +205,7 @@ def _groupwise_gemv_kernel(
                 acc = _group_scaled_after(
                     acc,
                     tile * groups_per_tile + g,
-                    codes_ptr + rows[:, None].to(tl.int64) * stride_codes,
+                    row_codes,
                     s0 if g == 0 else (s1 if g == 1 else (s2 if g == 2 else s3)),
                     x_rows,
                     row_mask,
@@ -289,46 +290,40 @@ def _groupwise_gemv_kernel(
 # $4 the bytes; $5, $6 the hi parts of bytes 0-1 and 2-3, $7, $8 their lo parts.
 # tests/quant/test_packed_dequant_math.py runs this text through an emulator of its five
 # instructions.
-def _halves_ptx() -> str:
-    """`_BF16_HALVES_PTX`'s text: the constants and the shift, then the same five instructions
-    for each output register (prmt selector 0x7170: the source's bytes 0-1, 0x7372: bytes 2-3;
-    source $4 for the low nibbles, $4 >> 4 for the high ones)."""
-    steps = "".join(
-        f"prmt.b32 x, {src}, 0, {sel};\n"
-        "lop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;\n"
-        "fma.rn.bf16x2 c, t, one, m136;\n"
-        f"fma.rn.bf16x2 r, c, ${7 + half}, nz;\n"
-        f"fma.rn.bf16x2 ${out}, c, ${5 + half}, r;\n"
-        for out, (src, half, sel) in enumerate(
-            (("$4", 0, "0x7170"), ("$4", 1, "0x7372"), ("w4", 0, "0x7170"), ("w4", 1, "0x7372"))
-        )
-    )
+def _nibbles_ptx(scaled: bool) -> str:
+    """The constants and the shift, then the same steps for each of the four output registers
+    (prmt selector 0x7170: the source's bytes 0-1, 0x7372: bytes 2-3; source $4 for the low
+    nibbles, $4 >> 4 for the high ones): the bf16 136 + code, less 136, then, `scaled`, times
+    the scale's two parts (`_BF16_HALVES_PTX`), else that exact code (`_BF16_CODES_PTX`)."""
+    steps = ""
+    for out, (src, half, sel) in enumerate(
+        (("$4", 0, "0x7170"), ("$4", 1, "0x7372"), ("w4", 0, "0x7170"), ("w4", 1, "0x7372"))
+    ):
+        steps += f"prmt.b32 x, {src}, 0, {sel};\nlop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;\n"
+        if scaled:
+            steps += (
+                "fma.rn.bf16x2 c, t, one, m136;\n"
+                f"fma.rn.bf16x2 r, c, ${7 + half}, nz;\n"
+                f"fma.rn.bf16x2 ${out}, c, ${5 + half}, r;\n"
+            )
+        else:
+            steps += f"fma.rn.bf16x2 ${out}, t, one, m136;\n"
+    registers = "w4, x, t, c, r, one, m136, nz" if scaled else "w4, x, t, one, m136"
     head = (
-        "{\n.reg .b32 w4, x, t, c, r, one, m136, nz;\nmov.b32 one, 0x3F803F80;\n"
-        "mov.b32 m136, 0xC308C308;\nmov.b32 nz, 0x80008000;\nshr.b32 w4, $4, 4;\n"
+        f"{{\n.reg .b32 {registers};\nmov.b32 one, 0x3F803F80;\nmov.b32 m136, 0xC308C308;\n"
+        + ("mov.b32 nz, 0x80008000;\n" if scaled else "")
+        + "shr.b32 w4, $4, 4;\n"
     )
     return head + steps + "}"
 
 
-_BF16_HALVES_PTX = tl.constexpr(_halves_ptx())
+_BF16_HALVES_PTX = tl.constexpr(_nibbles_ptx(scaled=True))
 
-# Four q4 bytes to their eight codes as exact bf16 integers: the first three instructions of
-# each of `_BF16_HALVES_PTX`'s steps (the bf16 136 + code, then less 136), the fma writing the
-# output register. Operands: $0, $1 the low nibbles' codes of bytes 0-1 and 2-3, $2, $3 the
-# high nibbles'; $4 the bytes. tests/quant/test_packed_dequant_math.py runs it through the
-# same emulator.
-_BF16_CODES_PTX = tl.constexpr(
-    "{\n.reg .b32 w4, x, t, one, m136;\nmov.b32 one, 0x3F803F80;\nmov.b32 m136, 0xC308C308;\n"
-    "shr.b32 w4, $4, 4;\n"
-    + "".join(
-        f"prmt.b32 x, {src}, 0, {sel};\nlop3.b32 t, x, 0x000F000F, 0x43084308, 0x6A;\n"
-        f"fma.rn.bf16x2 ${out}, t, one, m136;\n"
-        for out, (src, sel) in enumerate(
-            (("$4", "0x7170"), ("$4", "0x7372"), ("w4", "0x7170"), ("w4", "0x7372"))
-        )
-    )
-    + "}"
-)
+# Four q4 bytes to their eight codes as exact bf16 integers: `_BF16_HALVES_PTX`'s steps up to
+# the exact code, the fma writing the output register. Operands: $0, $1 the low nibbles' codes
+# of bytes 0-1 and 2-3, $2, $3 the high nibbles'; $4 the bytes.
+# tests/quant/test_packed_dequant_math.py runs it through the same emulator.
+_BF16_CODES_PTX = tl.constexpr(_nibbles_ptx(scaled=False))
 
 
 @triton.jit
@@ -376,6 +371,8 @@ def _group_scaled_after(
         raw = tl.load(code_rows + group * group_bytes + in_group[None, :])
         xs = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
     else:
+        # the group's liveness as a tensor of the rows' shape (the interpreter takes no scalar
+        # mask in a tensor's)
         live = row_mask & (group + tl.zeros_like(row_mask.to(tl.int32)) < num_groups)
         raw = tl.load(
             code_rows + group * group_bytes + in_group[None, :], mask=live[:, None], other=0
