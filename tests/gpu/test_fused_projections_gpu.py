@@ -69,7 +69,9 @@ def test_gdn_gates_from_x_at_the_model_shapes(heads, hidden, tokens, dtype, beta
 def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatch, tokens):
     """A GDN layer's decode step (stacked dense b|a, bf16) with product, gates and rule in one
     kernel against the same step through the b|a product, the gates kernel and the rule:
-    outputs and states within bf16 rounding (cuBLAS's b|a product may round differently)."""
+    outputs and states within bf16 rounding (cuBLAS's b|a product may round differently).
+    Several sequences take the gates kernel with the product inside apart by default
+    (`GATES_IN_RULE_MAX_TOKENS`): bit for bit the one kernel's outputs and states."""
     torch.manual_seed(tokens)
     hidden, key_heads, value_heads, head_dim = 512, 2, 6, 128
     layer = GatedDeltaNet(hidden, key_heads, value_heads, head_dim, head_dim, 4, 1e-6, 0)
@@ -99,8 +101,15 @@ def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatc
         "recurrent_gated_delta_rule_from_x",
         lambda *args: taken.append(1) or rule_from_x(*args),
     )
+    monkeypatch.setattr(
+        gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", gated_deltanet.GATES_FROM_X_MAX_TOKENS
+    )
     out, new_states = step()
     assert taken == [1]
+    monkeypatch.undo()
+    if tokens > gated_deltanet.GATES_IN_RULE_MAX_TOKENS:
+        apart, apart_states = step()
+        assert torch.equal(apart, out) and torch.equal(apart_states, new_states)
     monkeypatch.setattr(gated_deltanet, "GATES_FROM_X_MAX_TOKENS", 0)
     ref, ref_states = step()
     assert taken == [1]

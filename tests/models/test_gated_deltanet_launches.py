@@ -1,8 +1,8 @@
 """What a GDN layer launches per forward, on the CUDA path traced on the meta device (non-view
-aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): a decode
-step computes the stacked dense b|a product and the gates inside the recurrent kernel, other
-batches up to GATES_FROM_X_MAX_TOKENS tokens inside the gates kernel, larger ones keep the
-product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and a
+aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): a one-token
+decode step computes the stacked dense b|a product and the gates inside the recurrent kernel,
+other batches up to GATES_FROM_X_MAX_TOKENS tokens inside the gates kernel, larger ones keep
+the product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and a
 reduce at batch 1 (one aten mm, two launches), so at decode product, gates and delta rule take
 one launch where the unfused layer took four and the gates kernel with the product inside
 two."""
@@ -18,7 +18,11 @@ from torch import nn
 
 from ninfer.kernels import gdn_gates as gates_reference
 from ninfer.models.layers import gated_deltanet, linear, norms
-from ninfer.models.layers.gated_deltanet import GATES_FROM_X_MAX_TOKENS, GatedDeltaNet
+from ninfer.models.layers.gated_deltanet import (
+    GATES_FROM_X_MAX_TOKENS,
+    GATES_IN_RULE_MAX_TOKENS,
+    GatedDeltaNet,
+)
 
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV = 64, 2, 4, 16, 4
 
@@ -75,12 +79,26 @@ def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]
     return dict(count.launches)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, GATES_FROM_X_MAX_TOKENS])
-def test_decode_step_computes_b_a_and_the_gates_inside_the_recurrent_kernel(monkeypatch, tokens):
+def test_one_token_decode_step_computes_b_a_and_the_gates_inside_the_recurrent_kernel(
+    monkeypatch,
+):
     """Two products (q|k|v|z in, out), conv, delta rule with b|a and gates, norm: five."""
-    assert traced_launches(monkeypatch, tokens, is_decode=True) == {
+    assert GATES_IN_RULE_MAX_TOKENS == 1
+    assert traced_launches(monkeypatch, 1, is_decode=True) == {
         "mm": 2, "causal_conv1d": 1, "recurrent_gated_delta_rule_from_x": 1, "gated_rms_norm": 1,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [2, 8, GATES_FROM_X_MAX_TOKENS])
+def test_decode_step_of_several_sequences_computes_the_gates_apart(monkeypatch, tokens):
+    """Above GATES_IN_RULE_MAX_TOKENS the gates kernel (b|a product inside) runs before the
+    conv, once per token and head, and the recurrent kernel takes g and beta: six launches."""
+    assert traced_launches(monkeypatch, tokens, is_decode=True) == {
+        "mm": 2, "gdn_gates_from_x": 1, "causal_conv1d": 1, "recurrent_gated_delta_rule": 1,
+        "gated_rms_norm": 1,
+    }  # fmt: skip
+    monkeypatch.setattr(gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", GATES_FROM_X_MAX_TOKENS)
+    assert "recurrent_gated_delta_rule_from_x" in traced_launches(monkeypatch, tokens, True)
 
 
 def test_small_prefill_computes_b_and_a_inside_the_gates_kernel(monkeypatch):
@@ -114,7 +132,7 @@ def test_decode_step_without_the_fused_gates_took_the_product_the_gates_and_the_
 def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch):
     """Stacked q|k|v|z weights kept encoded: a one-token decode step launches one kernel for
     the in projection and the conv (`groupwise_linear_conv`), no conv kernel of its own; a
-    step of two tokens keeps the product and the conv apart."""
+    step of two tokens keeps the product and the conv apart, and the gates kernel."""
     from ninfer.models.layers.linear import GroupwiseLinear
     from ninfer.quant import get_format
 
@@ -153,6 +171,10 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
             "recurrent_gated_delta_rule_from_x",
             count.kernel("rule", rule_from_x),
         )
+        monkeypatch.setattr(
+            gated_deltanet, "recurrent_gated_delta_rule", count.kernel("rule", rule_from_x)
+        )
+        monkeypatch.setattr(gated_deltanet, "gdn_gates_from_x", count.kernel("gates", gates))
         monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
         monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("norm", like_first))
         with count:
@@ -160,5 +182,8 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
             layer(x, meta_context(tokens, is_decode=True))
         return dict(count.launches)
 
+    def gates(x, *args):
+        return x.new_empty(x.shape[0], VALUE_HEADS), x.new_empty(x.shape[0], VALUE_HEADS)
+
     assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
-    assert encoded(2) == {"gemv": 1, "conv": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(2) == {"gates": 1, "gemv": 1, "conv": 1, "mm": 1, "rule": 1, "norm": 1}

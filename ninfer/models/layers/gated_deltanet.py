@@ -3,8 +3,8 @@ gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
 in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
 the GPU a decode step then computes the b|a product and the gates inside the recurrent
-kernel (one launch for product, gates and rule), and a small prefill inside the gates
-kernel."""
+kernel (one launch for product, gates and rule), and a small prefill or a decode step of
+several sequences inside the gates kernel."""
 
 import torch
 from torch import nn
@@ -28,6 +28,13 @@ from ninfer.models.layers.norms import GatedRMSNorm
 # product's launches; each token then re-reads the 2H x hidden weight, so prefill-sized
 # batches keep the matmul (which reads it once) and the gates kernel.
 GATES_FROM_X_MAX_TOKENS = 16
+# ... and at a decode step of up to this many tokens that kernel is the recurrent one; above
+# it the gates kernel runs before the conv and the recurrent kernel takes g and beta. Inside
+# the recurrent kernel every program (sequence, head, column block) reads its head's two b|a
+# rows and x's row again: at eight sequences (27B) the kernel took 22.2 us against 17.5 us
+# with the gates given, and the 27B C=8 step was 0.09 ms faster with the gates kernel apart
+# (C=4 0.02 ms; docs/performance.md, Measurement 14).
+GATES_IN_RULE_MAX_TOKENS = 1
 
 
 class GatedDeltaNet(nn.Module):
@@ -125,9 +132,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        # At decode, where a kernel would compute the gates from x, the recurrent kernel does
-        # (one launch fewer); they are then computed after the conv, not before.
-        ba_weight = self.ba_weight_for(x) if ctx.is_decode else None
+        # At a one-token decode step, where a kernel would compute the gates from x, the
+        # recurrent kernel does (one launch fewer); they are then computed after the conv.
+        in_rule = ctx.is_decode and tokens <= GATES_IN_RULE_MAX_TOKENS
+        ba_weight = self.ba_weight_for(x) if in_rule else None
         if ba_weight is None:
             g, beta = self.gates(x)
         mixed, z = self.project_and_conv(x, ctx)
