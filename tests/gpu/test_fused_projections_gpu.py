@@ -101,14 +101,16 @@ def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatc
         "recurrent_gated_delta_rule_from_x",
         lambda *args: taken.append(1) or rule_from_x(*args),
     )
+    in_rule = gated_deltanet.GATES_IN_RULE_MAX_TOKENS
     monkeypatch.setattr(
         gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", gated_deltanet.GATES_FROM_X_MAX_TOKENS
     )
     out, new_states = step()
     assert taken == [1]
-    monkeypatch.undo()
-    if tokens > gated_deltanet.GATES_IN_RULE_MAX_TOKENS:
+    monkeypatch.setattr(gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", in_rule)
+    if tokens > in_rule:
         apart, apart_states = step()
+        assert taken == [1]
         assert torch.equal(apart, out) and torch.equal(apart_states, new_states)
     monkeypatch.setattr(gated_deltanet, "GATES_FROM_X_MAX_TOKENS", 0)
     ref, ref_states = step()
