@@ -62,24 +62,27 @@ def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
 ARCHIVE_COMMIT = Path(__file__).with_name("ARCHIVE_COMMIT")
 
 
-def _commit() -> str | None:
+def _commit(root: Path | None = None) -> str | None:
+    """The archived commit, or the checkout's HEAD with `-dirty` where tracked files differ
+    from it (the figures are then not that commit's), or None outside both."""
     try:
         archived = ARCHIVE_COMMIT.read_text().strip()
     except OSError:
         archived = ""
     if archived and not archived.startswith("$Format"):
         return archived
+    git = ["git", "-C", str(root or Path(__file__).resolve().parents[2])]
     try:
-        root = Path(__file__).resolve().parents[2]
         out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         )
-        return out.stdout.strip() or None
+        clean = subprocess.run([*git, "diff", "--quiet", "HEAD"], capture_output=True)
     except (OSError, subprocess.CalledProcessError):
         return None
+    head = out.stdout.strip()
+    if not head:
+        return None
+    return head if clean.returncode == 0 else f"{head}-dirty"
 
 
 def device_name(device: torch.device) -> str:

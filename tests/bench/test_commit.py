@@ -27,7 +27,31 @@ def git(*args: str) -> str:
 
 @needs_checkout
 def test_a_checkout_names_its_head():
-    assert run._commit() == git("rev-parse", "--short", "HEAD")
+    head = git("rev-parse", "--short", "HEAD")
+    clean = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD"]).returncode == 0
+    assert run._commit() == (head if clean else f"{head}-dirty")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="no git")
+def test_a_checkout_with_changed_tracked_files_is_marked_dirty(tmp_path, monkeypatch):
+    """Untracked files leave the name as it is; a tracked file changed from HEAD marks it."""
+    monkeypatch.setattr(run, "ARCHIVE_COMMIT", tmp_path / "no-stamp")
+    env = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.txt").write_text("one\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "a.txt"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), *env, "commit", "-qm", "one"], check=True)
+    head = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (tmp_path / "b.txt").write_text("untracked\n")
+    assert run._commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("two\n")
+    assert run._commit(tmp_path) == f"{head}-dirty"
+    assert run._commit(tmp_path / "b.txt") is None  # not a directory git can run in
 
 
 def test_an_unpacked_archive_names_the_commit_written_into_it(tmp_path, monkeypatch):
