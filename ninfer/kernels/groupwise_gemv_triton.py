@@ -423,6 +423,13 @@ def _bf16_halves(raw, scale):
 
 
 @triton.jit
+def swiglu_values(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of fp32 gate and up, rounded once to `dtype`: the SwiGLU kernel's
+    arithmetic, which the experts' down product repeats (`grouped_swiglu_linear`)."""
+    return (gate * tl.sigmoid(gate) * up).to(dtype)
+
+
+@triton.jit
 def split_codes(x, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
     """The split of the values x [BLOCK_G, GROUP] (fp32; a group per row) into coarse + fine
     int8 codes, x ~ s * (254 * coarse + fine), packed in the weight words' value order: word
@@ -666,7 +673,7 @@ def _groupwise_gemv_int_kernel(
         gate_row = swiglu_ptr + m * stride_swiglu
         gate = tl.load(gate_row + values).to(tl.float32)
         up = tl.load(gate_row + row_groups * GROUP + values).to(tl.float32)
-        hidden = (gate * tl.sigmoid(gate) * up).to(swiglu_ptr.dtype.element_ty).to(tl.float32)
+        hidden = swiglu_values(gate, up, swiglu_ptr.dtype.element_ty).to(tl.float32)
         own_coarse, own_fine, own_step, own_corr = split_codes(
             tl.reshape(hidden, [row_groups, GROUP]), BITS, GROUP, row_groups
         )
@@ -875,13 +882,14 @@ def _int_linear(
     return out
 
 
-def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor):
-    """(bits, group, codes, scales) of a SUPPORTED weight, checking that x's K is the weight's
-    (the kernels would read a short x as zeros and ignore the rest of a long one) and unit
-    stride along K."""
-    if x.shape[-1] != weight.shape[-1]:
+def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor, x_width: int | None = None):
+    """(bits, group, codes, scales) of a SUPPORTED weight, checking that x is `x_width` wide,
+    by default the weight's K (the kernels would read a short x as zeros and ignore the rest
+    of a long one), and unit stride along K."""
+    width = weight.shape[-1] if x_width is None else x_width
+    if x.shape[-1] != width:
         raise ValueError(
-            f"x has {x.shape[-1]} columns, the weight {tuple(weight.shape)} takes {weight.shape[-1]}"
+            f"x has {x.shape[-1]} columns, the weight {tuple(weight.shape)} takes {width}"
         )
     bits, group = SUPPORTED[weight.format]
     codes, scales = weight.planes["codes"], weight.planes["scales"]
@@ -925,13 +933,7 @@ def grouped_swiglu_linear(
         raise ValueError(
             f"the SwiGLU in the product does not take a {weight.format} {weight.shape}"
         )
-    k = weight.shape[-1]
-    if gate_up.shape[-1] != 2 * k or gate_up.stride(-1) != 1:
-        raise ValueError(f"gate|up {tuple(gate_up.shape)}: [T, {2 * k}] with unit stride wanted")
-    bits, group = SUPPORTED[weight.format]
-    codes, scales = weight.planes["codes"], weight.planes["scales"]
-    if codes.stride(-1) != 1 or scales.stride(-1) != 1:
-        raise ValueError("groupwise GEMV needs unit stride along K")
+    bits, group, codes, scales = _unit_stride_planes(gate_up, weight, 2 * weight.shape[-1])
     return _int_linear(
         gate_up, codes, scales, weight.shape[1], bits, group, x_rows, experts, swiglu=True
     )

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.groupwise_gemv_triton import split_block
+from ninfer.kernels.groupwise_gemv_triton import split_block, swiglu_values
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
@@ -43,7 +43,7 @@ def _silu_mul_kernel(
     mask = cols < n
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    out = (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty)
+    out = swiglu_values(gate, up, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
     if SPLIT_BITS != 0:  # this block's integer-GEMV codes (x_split.py)
         split_block(

@@ -163,3 +163,5 @@ def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt, m
     unfused = gemv.grouped_groupwise_linear(hidden, weight, x_rows, ids)
     assert torch.equal(fused[[0, 1, 3]], unfused[[0, 1, 3]])
     assert fused[2].isnan().all() and unfused[2].isnan().all()
+    with pytest.raises(ValueError, match=f"takes {2 * k}"):  # gate|up is twice K wide
+        gemv.grouped_swiglu_linear(gate_up[:, :k], weight, x_rows, ids)
