@@ -26,6 +26,8 @@ import math
 from functools import partial
 
 import torch
+import triton
+import triton.language as tl
 from decode_kernels import rotating  # this folder: the scripts run as `python bench/...`
 from triton.testing import do_bench_cudagraph
 
@@ -33,6 +35,7 @@ from ninfer.bench.ceilings import copy_bandwidth
 from ninfer.kernels import (
     causal_conv1d_triton,
     gated_rms_norm_triton,
+    gdn_gates_triton,
     gdn_recurrent_triton,
     groupwise_gemv_triton,
     moe_router_triton,
@@ -174,6 +177,76 @@ def _gdn_decode_kernels_at(name: str, hidden: int, value_heads: int, mlp: int) -
     gate, up = randn(1, 2 * mlp).chunk(2, dim=-1)
     us = median_us(lambda: swiglu_triton.silu_mul(gate, up, split))
     print(f"{f'{name} SwiGLU + split, {mlp} wide':48} {us:7.2f}")
+
+
+@triton.jit
+def _state_tiles_kernel(states_ptr, slots_ptr, stride_slot, stride_head, BLOCK_V: tl.constexpr):
+    """Each program loads its [128, BLOCK_V] fp32 tile of a GDN state, as the recurrent
+    kernel's does, and stores it back changed: the recurrent kernel's state traffic alone."""
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, 128)
+    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    tile = states_ptr + slot * stride_slot + tl.program_id(1) * stride_head
+    tile += rows[:, None] * 128 + cols[None, :]
+    tl.store(tile, tl.load(tile) * 0.5 + 1.0)
+
+
+def gdn_state_traffic() -> None:
+    """The GDN decode kernel at eight sequences of one token (27B shape) against its own state
+    traffic: with the gates inside, with them given, a kernel that only loads and stores the
+    same state tiles over the same grid, and torch's copy of as many bytes."""
+    dim, key_heads, value_heads, hidden, seqs, sets = 128, 16, 48, 5120, 8, 8
+    copy = copy_bandwidth(DEVICE)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEVICE) * scale).to(BF16)
+
+    states = torch.randn(sets * seqs, value_heads, dim, dim, device=DEVICE) * 0.1
+    slot_sets = [
+        torch.arange(i * seqs, (i + 1) * seqs, device=DEVICE, dtype=torch.int32)
+        for i in range(sets)
+    ]
+    query_start = torch.arange(seqs + 1, device=DEVICE, dtype=torch.int32)
+    q, k = randn(seqs, key_heads, dim), randn(seqs, key_heads, dim)
+    v, x = randn(seqs, value_heads, dim), randn(seqs, hidden)
+    ba_weight = randn(2 * value_heads, hidden, scale=0.02)
+    A_log = torch.randn(value_heads, device=DEVICE)
+    dt_bias = torch.randn(value_heads, device=DEVICE)
+    g, beta = gdn_gates_triton.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
+    moved = 2 * seqs * value_heads * dim * dim * 4
+    rule = gdn_recurrent_triton
+
+    def tiles(slots, block_v, warps):
+        grid = (seqs, value_heads, dim // block_v)
+        _state_tiles_kernel[grid](
+            states, slots, states.stride(0), states.stride(1), BLOCK_V=block_v, num_warps=warps
+        )
+
+    rows = [
+        (
+            "gates inside (as one token runs it)",
+            lambda slots: rule.recurrent_gated_delta_rule_from_x(
+                q, k, v, x, ba_weight, A_log, dt_bias, states, slots, query_start
+            ),
+        ),
+        (
+            "gates given (as eight sequences run it)",
+            lambda slots: rule.recurrent_gated_delta_rule(
+                q, k, v, g, beta, states, slots, query_start
+            ),
+        ),
+    ]
+    for block_v, warps in ((64, 4), (32, 4), (64, 8), (128, 8), (32, 2)):
+        label = f"state tiles only, block {block_v}, {warps} warps"
+        rows.append((label, partial(tiles, block_v=block_v, warps=warps)))
+    copies = torch.empty(sets, moved // 8, device=DEVICE)
+    flat = states.view(sets, -1)
+    print(f"{'GDN state traffic, 8 sequences, 27B':48} {'us':>7} {'of copy':>8}")
+    for label, call in rows:
+        us = median_us(rotating([partial(call, slots) for slots in slot_sets]))
+        print(f"{label:48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
+    us = median_us(rotating([partial(copies[i].copy_, flat[(i + 1) % sets]) for i in range(sets)]))
+    print(f"{'torch copy of as many bytes':48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
 
 
 def moe_decode_settings() -> None:
@@ -347,6 +420,7 @@ def main() -> None:
     norm_and_routing_warps()
     gdn_decode_kernels()
     gdn_decode_eight_sequences()
+    gdn_state_traffic()
     moe_decode_settings()
     dense_decode_settings()
     if not args.skip_int4pack:
