@@ -91,19 +91,15 @@ def gdn_decode_kernels() -> None:
         _gdn_decode_kernels_at(*shape)
 
 
-def gdn_decode_eight_sequences() -> None:
-    """The GDN decode kernel (b|a product and gates inside) at eight sequences of one token,
-    27B shape: the column block and warps against the rate of copy, the fp32 states rotated
-    over slot sets larger than the L2 (eight sequences' states of a layer, 25 MB, would fit
-    in it). At this size a program holds a [128, block] fp32 slice of a state, so the block
-    sets the programs per SM and the waves."""
-    dim, key_heads, value_heads, hidden, seqs = 128, 16, 48, 5120, 8
-    copy = copy_bandwidth(DEVICE)
+def _eight_sequences():
+    """A GDN layer's decode inputs at eight sequences of one token, 27B shape: (q, k, v, x,
+    b|a weight, A_log, dt_bias, fp32 states, slot sets, query starts), the states spread
+    over eight slot sets (eight sequences' states of a layer, 25 MB, would fit in the L2)."""
+    dim, key_heads, value_heads, hidden, seqs, sets = 128, 16, 48, 5120, 8, 8
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, device=DEVICE) * scale).to(BF16)
 
-    sets = 8
     states = torch.randn(sets * seqs, value_heads, dim, dim, device=DEVICE) * 0.1
     slot_sets = [
         torch.arange(i * seqs, (i + 1) * seqs, device=DEVICE, dtype=torch.int32)
@@ -115,7 +111,23 @@ def gdn_decode_eight_sequences() -> None:
     ba_weight = randn(2 * value_heads, hidden, scale=0.02)
     A_log = torch.randn(value_heads, device=DEVICE)
     dt_bias = torch.randn(value_heads, device=DEVICE)
-    moved = 2 * seqs * value_heads * dim * dim * 4  # each state read and written, fp32
+    return q, k, v, x, ba_weight, A_log, dt_bias, states, slot_sets, query_start
+
+
+def _eight_sequences_moved(states: torch.Tensor) -> int:
+    """Bytes one call moves: each of one slot set's states read and written, fp32."""
+    return 2 * states.nbytes // 8
+
+
+def gdn_decode_eight_sequences() -> None:
+    """The GDN decode kernel (b|a product and gates inside) at eight sequences of one token,
+    27B shape: the column block and warps against the rate of copy, the fp32 states rotated
+    over slot sets larger than the L2 (eight sequences' states of a layer, 25 MB, would fit
+    in it). At this size a program holds a [128, block] fp32 slice of a state, so the block
+    sets the programs per SM and the waves."""
+    copy = copy_bandwidth(DEVICE)
+    q, k, v, x, ba_weight, A_log, dt_bias, states, slot_sets, query_start = _eight_sequences()
+    moved = _eight_sequences_moved(states)
     print(f"{'GDN recurrent + gates, 8 sequences, 27B':48} {'us':>7} {'of copy':>8}")
     defaults = gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS
     sms = gdn_recurrent_triton.num_sms
@@ -195,26 +207,13 @@ def gdn_state_traffic() -> None:
     """The GDN decode kernel at eight sequences of one token (27B shape) against its own state
     traffic: with the gates inside, with them given, a kernel that only loads and stores the
     same state tiles over the same grid, and torch's copy of as many bytes."""
-    dim, key_heads, value_heads, hidden, seqs, sets = 128, 16, 48, 5120, 8, 8
     copy = copy_bandwidth(DEVICE)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=DEVICE) * scale).to(BF16)
-
-    states = torch.randn(sets * seqs, value_heads, dim, dim, device=DEVICE) * 0.1
-    slot_sets = [
-        torch.arange(i * seqs, (i + 1) * seqs, device=DEVICE, dtype=torch.int32)
-        for i in range(sets)
-    ]
-    query_start = torch.arange(seqs + 1, device=DEVICE, dtype=torch.int32)
-    q, k = randn(seqs, key_heads, dim), randn(seqs, key_heads, dim)
-    v, x = randn(seqs, value_heads, dim), randn(seqs, hidden)
-    ba_weight = randn(2 * value_heads, hidden, scale=0.02)
-    A_log = torch.randn(value_heads, device=DEVICE)
-    dt_bias = torch.randn(value_heads, device=DEVICE)
+    q, k, v, x, ba_weight, A_log, dt_bias, states, slot_sets, query_start = _eight_sequences()
     g, beta = gdn_gates_triton.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
-    moved = 2 * seqs * value_heads * dim * dim * 4
+    moved = _eight_sequences_moved(states)
     rule = gdn_recurrent_triton
+    seqs, value_heads, dim = slot_sets[0].shape[0], states.shape[1], states.shape[2]
+    sets = len(slot_sets)
 
     def tiles(slots, block_v, warps):
         grid = (seqs, value_heads, dim // block_v)
