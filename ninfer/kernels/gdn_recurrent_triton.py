@@ -74,7 +74,11 @@ def _recurrent_kernel(
     BLOCK_HIDDEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
+    # The state tile is read before the wait (`pdl_triton`: read before the wait): its slot,
+    # the sequence's tokens and the state itself were written by host copies before the step
+    # and by this layer's kernel a step ago, never by the kernel just before this one, so
+    # the tile's memory round trip overlaps that kernel's end. Through L2 (.cg): another SM
+    # read the slot a step ago, and its L1 may still hold the old state.
     seq = tl.program_id(0)
     value_head = tl.program_id(1)
     key_head = value_head // RATIO
@@ -94,7 +98,8 @@ def _recurrent_kernel(
         + rows[:, None] * value_dim
         + cols[None, :]
     )
-    state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
+    state = tl.load(state_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+    await_inputs(PDL)
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
