@@ -30,7 +30,49 @@ from ninfer.kernels.triton_support import next_power_of_2, num_sms
 # fastest setting swept at one token at the 27B and 35B-A3B shapes on the GPU machine
 # (bench/decode_variants.py, docs/performance.md Measurement 9).
 MAX_BLOCK_V = 64
+# Up to this many sequences the state tile is read before the wait for the kernel before this
+# one (`pdl_triton.READ_BEFORE_WAIT`). On the GPU machine at one sequence: the 27B C=1 step
+# 5.43 -> 5.39 ms, the 35B-A3B one 1.86 -> 1.85 ms; at eight, 9.30 -> 9.33-9.34 ms, so not
+# there (docs/performance.md, Measurement 15).
+STATE_FIRST_MAX_SEQS = 1
 RECURRENT_WARPS = 4
+
+
+@triton.jit
+def _state_tile(
+    states_ptr,
+    state_slots_ptr,
+    query_start_ptr,
+    seq,
+    value_head,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    stride_state_slot,
+    stride_state_head,
+    value_dim,
+    THROUGH_L2: tl.constexpr,
+):
+    """Sequence seq's state tile of value_head (rows x cols, fp32), its pointers and the
+    sequence's first and last token + 1. THROUGH_L2: loaded past L1 (.cg), where an SM may
+    still hold what it read of the slot a step ago."""
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    begin = tl.load(query_start_ptr + seq)
+    end = tl.load(query_start_ptr + seq + 1)
+    state_ptrs = (
+        states_ptr
+        + slot * stride_state_slot
+        + value_head * stride_state_head
+        + rows[:, None] * value_dim
+        + cols[None, :]
+    )
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    if THROUGH_L2:
+        state = tl.load(state_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+    else:
+        state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
+    return state, state_ptrs, begin, end
 
 
 @triton.jit
@@ -72,9 +114,9 @@ def _recurrent_kernel(
     GATES_FROM_X: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
+    STATE_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     seq = tl.program_id(0)
     value_head = tl.program_id(1)
     key_head = value_head // RATIO
@@ -82,19 +124,42 @@ def _recurrent_kernel(
     rows = tl.arange(0, BLOCK_K)
     row_mask = rows < key_dim
     col_mask = cols < value_dim
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
-    begin = tl.load(query_start_ptr + seq)
-    end = tl.load(query_start_ptr + seq + 1)
-    state_ptrs = (
-        states_ptr
-        + slot * stride_state_slot
-        + value_head * stride_state_head
-        + rows[:, None] * value_dim
-        + cols[None, :]
-    )
-    state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
+    if STATE_FIRST:
+        # before the wait (`pdl_triton.READ_BEFORE_WAIT`), so that the tile's memory round trip
+        # overlaps the kernel before this one: the slot and the sequence's tokens come from
+        # host copies before the step, the state from this layer's kernel a step ago
+        state, state_ptrs, begin, end = _state_tile(
+            states_ptr,
+            state_slots_ptr,
+            query_start_ptr,
+            seq,
+            value_head,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            stride_state_slot,
+            stride_state_head,
+            value_dim,
+            True,
+        )
+    await_inputs(PDL)
+    if not STATE_FIRST:
+        state, state_ptrs, begin, end = _state_tile(
+            states_ptr,
+            state_slots_ptr,
+            query_start_ptr,
+            seq,
+            value_head,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            stride_state_slot,
+            stride_state_head,
+            value_dim,
+            False,
+        )
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
@@ -131,7 +196,7 @@ def _recurrent_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=col_mask,
         )
-    tl.store(state_ptrs, state, mask=tile_mask)
+    tl.store(state_ptrs, state, mask=row_mask[:, None] & col_mask[None, :])
 
 
 def recurrent_gated_delta_rule(
@@ -262,6 +327,7 @@ def _launch(
         GATES_FROM_X=from_x,
         HIDDEN=x.shape[1] if from_x else 0,
         BLOCK_HIDDEN=HIDDEN_BLOCK,
+        STATE_FIRST=num_seqs <= STATE_FIRST_MAX_SEQS,
         num_warps=RECURRENT_WARPS,
         **pdl_options(q.device),
     )

@@ -12,6 +12,13 @@ transitive: a kernel ends only after its own predecessor has, so kernels further
 finished too. Kernels of other libraries (torch, cuBLAS, fla) are launched without the
 attribute and keep the stream's full ordering on both sides.
 
+Read before the wait: since a kernel lets its dependents be placed only after every one of
+its programs has waited, a program that has not yet waited may already read what kernels two
+or more back in the stream wrote (they have all finished), though not what the kernel just
+before it writes. The kernels in `READ_BEFORE_WAIT` do that with loads whose memory round trip
+would otherwise follow the previous kernel's end; they store nothing before the wait and read
+such memory through L2 (an SM's L1 may hold what it read before the last write).
+
 `NINFER_PDL=0` launches every kernel without it (for A/B timing and debugging)."""
 
 from __future__ import annotations
@@ -22,6 +29,13 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+# Kernels that load before `await_inputs`, and what.
+READ_BEFORE_WAIT = {
+    # 27B C=1 step 5.43 -> 5.39 ms, 35B-A3B 1.86 -> 1.85 ms (docs/performance.md,
+    # Measurement 15)
+    "_recurrent_kernel": "its state tile: the slot a host copy wrote, the state a step ago",
+}
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """The programmatic-dependent-launch contract (`kernels/pdl_triton.py`), checked on the source:
-every Triton kernel of ours waits for the kernel before it as its first statement and takes
-the PDL constant, and every launch passes `pdl_options`; where PDL is off, nothing asks for it."""
+every Triton kernel of ours waits for the kernel before it as its first statement (those in
+`READ_BEFORE_WAIT`: in their body's top level, after loads only) and takes the PDL constant,
+and every launch passes `pdl_options`; where PDL is off, nothing asks for it."""
 
 from __future__ import annotations
 
@@ -30,16 +31,66 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
     return body[1] if docstring else body[0]
 
 
+def _stores(statements: list[ast.stmt]) -> list[str]:
+    """The calls in `statements` that write memory or return early."""
+    found = []
+    for statement in statements:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Return):
+                found.append("return")
+            elif isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name.startswith("tl.atomic") or name in ("tl.store", "tl.debug_barrier"):
+                    found.append(name)
+    return found
+
+
+def _waits_in_time(fn: ast.FunctionDef) -> None:
+    """fn's wait is its first statement, or (READ_BEFORE_WAIT) a top-level one after loads."""
+    from ninfer.kernels.pdl_triton import READ_BEFORE_WAIT
+
+    first = _first_statement(fn)
+    if fn.name not in READ_BEFORE_WAIT:
+        assert ast.unparse(first) == "await_inputs(PDL)", (
+            f"{fn.name} starts with {ast.unparse(first)}"
+        )
+        return
+    body = fn.body[fn.body.index(first) :]
+    waits = [i for i, s in enumerate(body) if ast.unparse(s) == "await_inputs(PDL)"]
+    assert len(waits) == 1, f"{fn.name} does not wait once in its body's top level"
+    assert not _stores(body[: waits[0]]), f"{fn.name} writes before its wait"
+
+
+def test_a_kernel_that_stores_before_its_wait_breaks_the_contract(monkeypatch):
+    from ninfer.kernels import pdl_triton
+
+    source = (
+        "@triton.jit\ndef _early_kernel(p, PDL):\n"
+        "    x = tl.load(p)\n    tl.store(p, x)\n    await_inputs(PDL)\n"
+    )
+    fn = next(_jit_kernels(ast.parse(source)))
+    with pytest.raises(AssertionError, match="starts with"):
+        _waits_in_time(fn)
+    monkeypatch.setitem(pdl_triton.READ_BEFORE_WAIT, "_early_kernel", "a test")
+    with pytest.raises(AssertionError, match="writes before its wait"):
+        _waits_in_time(fn)
+    _waits_in_time(next(_jit_kernels(ast.parse(source.replace("    tl.store(p, x)\n", "")))))
+
+
+def test_every_kernel_read_before_its_wait_exists():
+    from ninfer.kernels.pdl_triton import READ_BEFORE_WAIT
+
+    names = {fn.name for path in SOURCES for fn in _jit_kernels(ast.parse(path.read_text()))}
+    assert set(READ_BEFORE_WAIT) <= names
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_every_kernel_waits_first_and_every_launch_passes_the_options(path):
     tree = ast.parse(path.read_text())
     kernels = list(_jit_kernels(tree))
     assert kernels, f"{path.name} defines no kernel"
     for fn in kernels:
-        first = _first_statement(fn)
-        assert ast.unparse(first) == "await_inputs(PDL)", (
-            f"{fn.name} starts with {ast.unparse(first)}"
-        )
+        _waits_in_time(fn)
         assert "PDL" in [a.arg for a in fn.args.args], fn.name
     names = {fn.name for fn in kernels}
     launches = [
