@@ -124,42 +124,29 @@ def _recurrent_kernel(
     rows = tl.arange(0, BLOCK_K)
     row_mask = rows < key_dim
     col_mask = cols < value_dim
-    if STATE_FIRST:
-        # before the wait (`pdl_triton.READ_BEFORE_WAIT`), so that the tile's memory round trip
-        # overlaps the kernel before this one: the slot and the sequence's tokens come from
-        # host copies before the step, the state from this layer's kernel a step ago
-        state, state_ptrs, begin, end = _state_tile(
-            states_ptr,
-            state_slots_ptr,
-            query_start_ptr,
-            seq,
-            value_head,
-            rows,
-            cols,
-            row_mask,
-            col_mask,
-            stride_state_slot,
-            stride_state_head,
-            value_dim,
-            True,
-        )
-    await_inputs(PDL)
+    # At one sequence (STATE_FIRST) the state tile is read before the wait
+    # (`pdl_triton.READ_BEFORE_WAIT`), so that its memory round trip overlaps the kernel
+    # before this one: the slot and the sequence's tokens come from host copies before the
+    # step, the state from this layer's kernel a step ago.
     if not STATE_FIRST:
-        state, state_ptrs, begin, end = _state_tile(
-            states_ptr,
-            state_slots_ptr,
-            query_start_ptr,
-            seq,
-            value_head,
-            rows,
-            cols,
-            row_mask,
-            col_mask,
-            stride_state_slot,
-            stride_state_head,
-            value_dim,
-            False,
-        )
+        await_inputs(PDL)
+    state, state_ptrs, begin, end = _state_tile(
+        states_ptr,
+        state_slots_ptr,
+        query_start_ptr,
+        seq,
+        value_head,
+        rows,
+        cols,
+        row_mask,
+        col_mask,
+        stride_state_slot,
+        stride_state_head,
+        value_dim,
+        STATE_FIRST,
+    )
+    if STATE_FIRST:
+        await_inputs(PDL)
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
