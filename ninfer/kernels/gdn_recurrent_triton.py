@@ -39,43 +39,6 @@ RECURRENT_WARPS = 4
 
 
 @triton.jit
-def _state_tile(
-    states_ptr,
-    state_slots_ptr,
-    query_start_ptr,
-    seq,
-    value_head,
-    rows,
-    cols,
-    row_mask,
-    col_mask,
-    stride_state_slot,
-    stride_state_head,
-    value_dim,
-    THROUGH_L2: tl.constexpr,
-):
-    """Sequence seq's state tile of value_head (rows x cols, fp32), its pointers and the
-    sequence's first and last token + 1. THROUGH_L2: loaded past L1 (.cg), where an SM may
-    still hold what it read of the slot a step ago."""
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
-    begin = tl.load(query_start_ptr + seq)
-    end = tl.load(query_start_ptr + seq + 1)
-    state_ptrs = (
-        states_ptr
-        + slot * stride_state_slot
-        + value_head * stride_state_head
-        + rows[:, None] * value_dim
-        + cols[None, :]
-    )
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    if THROUGH_L2:
-        state = tl.load(state_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
-    else:
-        state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
-    return state, state_ptrs, begin, end
-
-
-@triton.jit
 def _recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -130,23 +93,22 @@ def _recurrent_kernel(
     # step, the state from this layer's kernel a step ago.
     if not STATE_FIRST:
         await_inputs(PDL)
-    state, state_ptrs, begin, end = _state_tile(
-        states_ptr,
-        state_slots_ptr,
-        query_start_ptr,
-        seq,
-        value_head,
-        rows,
-        cols,
-        row_mask,
-        col_mask,
-        stride_state_slot,
-        stride_state_head,
-        value_dim,
-        STATE_FIRST,
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    begin = tl.load(query_start_ptr + seq)
+    end = tl.load(query_start_ptr + seq + 1)
+    state_ptrs = (
+        states_ptr
+        + slot * stride_state_slot
+        + value_head * stride_state_head
+        + rows[:, None] * value_dim
+        + cols[None, :]
     )
-    if STATE_FIRST:
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    if STATE_FIRST:  # through L2: an SM's L1 may still hold what it read of the slot a step ago
+        state = tl.load(state_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
         await_inputs(PDL)
+    else:
+        state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
@@ -183,7 +145,7 @@ def _recurrent_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=col_mask,
         )
-    tl.store(state_ptrs, state, mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(state_ptrs, state, mask=tile_mask)
 
 
 def recurrent_gated_delta_rule(

@@ -1,7 +1,7 @@
 """The programmatic-dependent-launch contract (`kernels/pdl_triton.py`), checked on the source:
 every Triton kernel of ours waits for the kernel before it as its first statement (those in
-`READ_BEFORE_WAIT`: in their body's top level, after loads only) and takes the PDL constant,
-and every launch passes `pdl_options`; where PDL is off, nothing asks for it."""
+`READ_BEFORE_WAIT`: at its top level or in a top-level `if`, after loads only) and takes the
+PDL constant, and every launch passes `pdl_options`; where PDL is off, nothing asks for it."""
 
 from __future__ import annotations
 
@@ -31,30 +31,23 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
     return body[1] if docstring else body[0]
 
 
-def _stores(statements: list[ast.stmt]) -> list[str]:
-    """The calls in `statements` that write memory or return early."""
+def _writes(nodes) -> list[str]:
+    """The calls among `nodes` that write memory, and their early returns."""
     found = []
-    for statement in statements:
-        for node in ast.walk(statement):
-            if isinstance(node, ast.Return):
-                found.append("return")
-            elif isinstance(node, ast.Call):
-                name = ast.unparse(node.func)
-                if name.startswith("tl.atomic") or name in ("tl.store", "tl.debug_barrier"):
-                    found.append(name)
+    for node in nodes:
+        if isinstance(node, ast.Return):
+            found.append("return")
+        elif isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.startswith("tl.atomic") or name in ("tl.store", "tl.debug_barrier"):
+                found.append(name)
     return found
 
 
-def _is_wait(statement: ast.stmt) -> bool:
-    """`await_inputs(PDL)`, or an `if` on a constant whose body is only that."""
-    if isinstance(statement, ast.If) and not statement.orelse and len(statement.body) == 1:
-        statement = statement.body[0]
-    return ast.unparse(statement) == "await_inputs(PDL)"
-
-
 def _waits_in_time(fn: ast.FunctionDef) -> None:
-    """fn's wait is its first statement, or (READ_BEFORE_WAIT) top-level waits, maybe each
-    under an `if`, with no write before the last of them."""
+    """fn's wait is its first statement, or (READ_BEFORE_WAIT) its waits are top-level
+    statements, or statements of top-level `if`s on constants, with no write or return
+    before the last of them in the source."""
     from ninfer.kernels.pdl_triton import READ_BEFORE_WAIT
 
     first = _first_statement(fn)
@@ -63,10 +56,18 @@ def _waits_in_time(fn: ast.FunctionDef) -> None:
             f"{fn.name} starts with {ast.unparse(first)}"
         )
         return
-    body = fn.body[fn.body.index(first) :]
-    waits = [i for i, statement in enumerate(body) if _is_wait(statement)]
-    assert waits, f"{fn.name} does not wait in its body's top level"
-    assert not _stores(body[: waits[-1]]), f"{fn.name} writes before its wait"
+    placed = []
+    for statement in fn.body:
+        branches = [statement.body, statement.orelse] if isinstance(statement, ast.If) else []
+        for inner in [statement, *(s for branch in branches for s in branch)]:
+            if ast.unparse(inner) == "await_inputs(PDL)":
+                placed.append(inner.lineno)
+    every = [
+        n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n) == "await_inputs(PDL)"
+    ]
+    assert placed and len(placed) == len(every), f"{fn.name} waits inside a loop or deeper"
+    before = [n for n in ast.walk(fn) if getattr(n, "lineno", 0) < max(placed)]
+    assert not _writes(before), f"{fn.name} writes before its wait"
 
 
 def test_a_kernel_that_stores_before_its_wait_breaks_the_contract(monkeypatch):
