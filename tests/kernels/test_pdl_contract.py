@@ -32,7 +32,7 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
 
 
 def _writes(nodes) -> list[str]:
-    """The calls among `nodes` that write memory, and their early returns."""
+    """The calls among `nodes` that write memory or wait on a barrier, and early returns."""
     found = []
     for node in nodes:
         if isinstance(node, ast.Return):
