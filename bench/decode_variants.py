@@ -44,8 +44,7 @@ from ninfer.kernels import (
     rms_norm_triton,
     swiglu_triton,
 )
-from ninfer.kernels.gdn_gates_triton import _x_dot_rows
-from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_route, route_token
+from ninfer.kernels.moe_routing_triton import moe_route
 from ninfer.kernels.x_split import INT_FORMATS, SplitRequest
 from ninfer.quant import EncodedTensor, get_format
 
@@ -251,95 +250,19 @@ def gdn_state_traffic() -> None:
     print(f"{'torch copy of as many bytes':48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
 
 
-@triton.jit
-def _router_stages_kernel(
-    x_ptr,
-    w_ptr,
-    logits_ptr,
-    counters_ptr,
-    weights_ptr,
-    experts_ptr,
-    pair_tokens_ptr,
-    pair_experts_ptr,
-    pairs_ptr,
-    num_rows,
-    num_experts,
-    HIDDEN: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    DOTS: tl.constexpr,
-    COUNT: tl.constexpr,
-    ROUTE: tl.constexpr,
-):
-    """The fused router's program (`moe_router_triton`, one token, a row per program) with
-    its stages switched: DOTS the row's dot product and its store, COUNT the arrival counter
-    (else program 0 stands for the last to arrive), ROUTE the last program's routing."""
-    row = tl.program_id(1) + tl.arange(0, 1)
-    row_mask = row < num_rows
-    if DOTS:
-        w_rows = w_ptr + row.to(tl.int64)[:, None] * HIDDEN
-        dots = _x_dot_rows(x_ptr, w_rows, row_mask, HIDDEN, 1, BLOCK_K)
-        tl.store(logits_ptr + row, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
-    if COUNT:
-        tl.debug_barrier()
-        last = tl.atomic_add(counters_ptr, 1, sem="acq_rel") == tl.num_programs(1) - 1
-    else:
-        last = tl.program_id(1) == 0
-    if last:
-        if ROUTE:
-            ids = tl.arange(0, BLOCK_E)
-            logits = tl.load(
-                logits_ptr + ids, mask=ids < num_experts, other=float("-inf"), cache_modifier=".cg"
-            )
-            route_token(
-                logits.to(tl.float32),
-                0,
-                1,
-                num_experts,
-                weights_ptr,
-                experts_ptr,
-                pair_tokens_ptr,
-                pair_experts_ptr,
-                pairs_ptr,
-                0,
-                num_experts,
-                TOP_K,
-                BLOCK_E,
-                True,
-            )
-        if COUNT:
-            tl.atomic_xchg(counters_ptr, 0)
-
-
 def router_stages() -> None:
-    """35B-A3B's fused router at one token, stage by stage: the shipped kernel, then a copy of
-    its program with stages left out (the dots, the arrival counter, the routing), the routing
-    kernel alone on given logits and cuBLAS's product alone. Where the kernel's time goes
+    """35B-A3B's fused router at one token, stage by stage: the kernel with all its stages, then
+    with some left out (the dots, the arrival counter, the routing), the routing kernel alone
+    on given logits and cuBLAS's product alone. Where the kernel's time goes
     (docs/performance.md, Measurement 15: 6.7 us per MoE layer in the step)."""
     hidden, experts, top_k = 2048, 256, 8
     x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
     routers = [
         torch.randn(experts + 1, hidden, device=DEVICE, dtype=BF16) * 0.02 for _ in range(64)
     ]
-    logits = torch.empty(1, experts + 1, device=DEVICE, dtype=BF16)
-    routes = empty_routes(1, top_k, BF16, x.device, True)
-    counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-
-    def stages(w, dots, count, route):
-        _router_stages_kernel[(1, experts + 1)](
-            x, w, logits, counters, *routes, experts + 1, experts,
-            HIDDEN=hidden, BLOCK_K=moe_router_triton.BLOCK_K, TOP_K=top_k, BLOCK_E=experts,
-            DOTS=dots, COUNT=count, ROUTE=route, num_warps=ROUTE_WARPS,
-        )  # fmt: skip
-
-    rows = [
-        (
-            "shipped (dots, counter, routing)",
-            lambda w: moe_router_triton.moe_router_route(x, w, experts, top_k, 0, experts, True),
-        )
-    ]
-    for dots, count, route in (
+    logits = torch.nn.functional.linear(x, routers[0])
+    rows = []
+    for stages in (
         (True, True, True),
         (True, True, False),
         (True, False, False),
@@ -348,10 +271,10 @@ def router_stages() -> None:
         (False, True, False),
         (False, False, False),
     ):
-        names = [n for n, on in (("dots", dots), ("counter", count), ("routing", route)) if on]
-        label = "copy: " + (", ".join(names) or "nothing (the launch)")
-        rows.append((label, partial(stages, dots=dots, count=count, route=route)))
-    torch.nn.functional.linear(x, routers[0], out=logits)
+        names = [n for n, on in zip(("dots", "counter", "routing"), stages, strict=True) if on]
+        label = ", ".join(names) or "nothing (the launch)"
+        route = partial(moe_router_triton.moe_router_route, x, stages=stages)
+        rows.append((label, lambda w, route=route: route(w, experts, top_k, 0, experts, True)))
     rows.append(
         (
             "routing kernel alone",

@@ -61,42 +61,54 @@ def _moe_router_route_kernel(
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     SHARED: tl.constexpr,
+    DOTS: tl.constexpr,
+    COUNT: tl.constexpr,
+    ROUTE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """DOTS, COUNT, ROUTE: its three stages, all on but where `python bench/decode_variants.py`
+    times it with some left out (without COUNT, program 0 stands for the last to arrive)."""
     await_inputs(PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < num_rows
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    x_row = x_ptr + token.to(tl.int64) * stride_x
-    dots = _x_dot_rows(x_row, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
     logits_row = logits_ptr + token.to(tl.int64) * num_rows
-    tl.store(logits_row + rows, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
-    tl.debug_barrier()  # every thread's logits are written before the arrival counts
+    if DOTS:
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+        x_row = x_ptr + token.to(tl.int64) * stride_x
+        dots = _x_dot_rows(x_row, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
+        tl.store(logits_row + rows, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
     counter = counters_ptr + token
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        ids = tl.arange(0, BLOCK_E)
-        # .cg reads from L2, where the other programs' logits are
-        logits = tl.load(
-            logits_row + ids, mask=ids < num_experts, other=float("-inf"), cache_modifier=".cg"
-        ).to(tl.float32)
-        route_token(
-            logits,
-            token,
-            tl.num_programs(0),
-            num_experts,
-            weights_ptr,
-            experts_ptr,
-            pair_tokens_ptr,
-            pair_experts_ptr,
-            pairs_ptr,
-            first,
-            count,
-            TOP_K,
-            BLOCK_E,
-            SHARED,
-        )
-        tl.atomic_xchg(counter, 0)
+    if COUNT:
+        tl.debug_barrier()  # every thread's logits are written before the arrival counts
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) - 1
+    else:
+        last = tl.program_id(1) == 0
+    if last:
+        if ROUTE:
+            ids = tl.arange(0, BLOCK_E)
+            # .cg reads from L2, where the other programs' logits are
+            logits = tl.load(
+                logits_row + ids, mask=ids < num_experts, other=float("-inf"), cache_modifier=".cg"
+            ).to(tl.float32)
+            route_token(
+                logits,
+                token,
+                tl.num_programs(0),
+                num_experts,
+                weights_ptr,
+                experts_ptr,
+                pair_tokens_ptr,
+                pair_experts_ptr,
+                pairs_ptr,
+                first,
+                count,
+                TOP_K,
+                BLOCK_E,
+                SHARED,
+            )
+        if COUNT:
+            tl.atomic_xchg(counter, 0)
 
 
 def moe_router_route(
@@ -107,9 +119,12 @@ def moe_router_route(
     first: int,
     count: int,
     shared: bool = False,
+    stages: tuple[bool, bool, bool] = (True, True, True),
 ) -> tuple[Routes, torch.Tensor]:
     """Same contract as `moe_router.moe_router_route`; x and router_weight of one dtype with
-    unit stride along hidden. Meant for decode-sized T: each token re-reads the whole router."""
+    unit stride along hidden. Meant for decode-sized T: each token re-reads the whole router.
+    `stages` (the dots, the arrival counter, the routing) are for timing the kernel with some
+    left out; the results are then not the routes."""
     check_router(x, router_weight, num_experts)
     if x.stride(1) != 1 or router_weight.stride(1) != 1:
         raise ValueError("the fused router needs unit stride along hidden")
@@ -142,6 +157,9 @@ def moe_router_route(
             TOP_K=top_k,
             BLOCK_E=next_power_of_2(num_experts),
             SHARED=shared,
+            DOTS=stages[0],
+            COUNT=stages[1],
+            ROUTE=stages[2],
             num_warps=ROUTE_WARPS,
             **pdl_options(x.device),
         )

@@ -87,3 +87,21 @@ def test_without_counters_the_product_and_the_routing_run_apart(router, counters
     for name in ("experts", "pair_tokens", "pair_experts", "pairs"):
         assert torch.equal(getattr(routes, name), getattr(ref, name)), name
     torch.testing.assert_close(routes.weights, ref.weights, rtol=torch.finfo(DTYPE).eps, atol=0)
+
+
+def test_stages_left_out_for_timing_do_what_they_say(router, counters, monkeypatch):
+    """`stages` (for bench/decode_variants.py's timing): without the routing the logits are
+    still the product's, the counters end at zero and the routes stay as allocated; with all
+    three, the routes are the shipped call's."""
+    x = torch.randn(2, 64).to(DTYPE)
+    weight = torch.randn(9, 64).to(DTYPE)
+    full, full_logits = router.moe_router_route(x, weight, 8, 2, 0, 8)
+    allocate = router.empty_routes
+    monkeypatch.setattr(
+        router, "empty_routes", lambda *a: type(full)(*(t.zero_() for t in allocate(*a)))
+    )
+    routes, logits = router.moe_router_route(x, weight, 8, 2, 0, 8, stages=(True, True, False))
+    assert torch.equal(logits, full_logits) and not counters[CPU].any()
+    assert not any(t.any() for t in routes)
+    routes, _ = router.moe_router_route(x, weight, 8, 2, 0, 8, stages=(True, True, True))
+    assert all(torch.equal(a, b) for a, b in zip(routes, full, strict=True))
