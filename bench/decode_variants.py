@@ -7,8 +7,8 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   and gates inside) at one token, beside the one-token cost of the small kernels around it
   (gated norm, conv, SwiGLU) that folding into a neighbour would save (Measurement 9); and
   at eight sequences, against the rate of copy (states rotated beyond the L2);
-- at the 35B-A3B shapes, one token: the fused router stage by stage (a copy of its program
-  with the dot products, the arrival counter or the routing left out), and its rows per program
+- at the 35B-A3B shapes, one token: the fused router stage by stage (the kernel with its dot
+  products, arrival counter or routing left out), and its rows per program
   (`moe_router_triton`) and the integer GEMV's rows per program and words per step at the
   expert products (nine pairs, the shared expert stacked) and the dense products;
 - at the 27B shapes, one token: the same integer GEMV settings at every product of a layer
