@@ -20,6 +20,7 @@ from kernel_cases import (
     check_rms_norm,
     check_rotary,
     check_silu_mul,
+    gdn_inputs,
     query_start_of,
 )
 from triton_interpreter import load_kernel_module, require_interpreter
@@ -48,6 +49,33 @@ def test_gdn_recurrent_matches_reference_and_updates_slots(interpreted, dtype):
     check_gdn_recurrent(
         module, [1, 3, 1], 2, 4, 16, 32, dtype, "cpu", 1e-5 if dtype == torch.float32 else 1e-2
     )
+
+
+@pytest.mark.parametrize(("query_lens", "first"), [([1], True), ([3], True), ([1, 1], False)])
+def test_gdn_recurrent_reads_the_state_before_the_wait_at_one_sequence_only(
+    interpreted, query_lens, first
+):
+    """`STATE_FIRST_MAX_SEQS`: the kernel is launched with its state read before the wait
+    (`pdl_triton.READ_BEFORE_WAIT`) where it runs one sequence, whatever its tokens, and with
+    the wait first above that (slower at eight sequences on the GPU machine)."""
+    module = interpreted("gdn_recurrent_triton")
+    launches = []
+    kernel = module._recurrent_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["STATE_FIRST"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    module._recurrent_kernel = Recording()
+    q, k, v, g, beta, states, slots, query_start = gdn_inputs(
+        query_lens, 2, 4, 16, 32, torch.float32, "cpu", 1.0
+    )
+    module.recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
+    assert launches == [first]
 
 
 def test_causal_conv1d_prefill_and_decode_update_windows(interpreted):
