@@ -309,6 +309,17 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     return gemv_reference.groupwise_linear(x, weight)
 
 
+def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """x [M, K] @ W.T through the integer GEMV, which also reads formats the tensor-core kernel
+    does not (q6_g64, `groupwise_gemv_triton.ONE_ROW_FORMATS`); the reference elsewhere."""
+    if use_triton(x) and x.dtype in _HALF:
+        from ninfer.kernels import groupwise_gemv_triton
+
+        if weight.format in groupwise_gemv_triton.ONE_ROW_FORMATS:
+            return groupwise_gemv_triton.integer_linear(x, weight)
+    return gemv_reference.groupwise_linear(x, weight)
+
+
 def grouped_groupwise_linear(
     x: torch.Tensor, weight: EncodedTensor, x_rows: torch.Tensor, experts: torch.Tensor
 ) -> torch.Tensor:

@@ -55,6 +55,10 @@ from ninfer.kernels.x_split import (
 from ninfer.quant import EncodedTensor
 
 SUPPORTED = INT_FORMATS
+# ... and what `integer_linear` (one x row) also reads: q6_g64 (the head of the groupwise-int
+# profile), its low plane as q4's plus its two high bits, 6.25 bits a weight instead of the
+# 8.5 of the q8_g32 it widens to for the tensor-core kernel.
+ONE_ROW_FORMATS = {**INT_FORMATS, "q6_g64_fp16": (6, 64)}
 # Integer kernel: weight rows per program (fewer where N is small), code words a program reads
 # per step (over its rows: 8 KiB of codes, the fastest at the 27B shapes on the GPU machine,
 # bench/decode_kernels.md), warps; groups of x per program of the split.
@@ -588,6 +592,23 @@ def _int_dot(a, b, acc, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _q6_words(low_words, high_halves):
+    """q6 codes as the dp4a's unsigned bytes u = code + 32 (0..63): low plane words (four
+    bytes, each the low four bits of values 2j and 2j + 1 in its nibbles, q4's layout) and the
+    16 high-plane bits of each word's eight values (value 4i + j of a high byte at bits 2j).
+    Returns (u of the even values, u of the odd ones), byte j of each value 2j (+1)."""
+    h = high_halves.to(tl.int32) & 0xFFFF
+    # nibble j of h (the high bits of values 2j and 2j + 1) into the low nibble of byte j; the
+    # high nibbles are left as they fall, the masks below never read them
+    bytes_02 = (h | (h << 8)) & 0x00FF00FF
+    spread = bytes_02 | (bytes_02 << 4)
+    # two's complement high bits s to s ^ 2 = s + 2, at bits 4-5: u = low + 16 * (s + 2)
+    even_high = ((spread << 4) ^ 0x20202020) & 0x30303030
+    odd_high = ((spread << 2) ^ 0x20202020) & 0x30303030
+    return (low_words & 0x0F0F0F0F) | even_high, ((low_words >> 4) & 0x0F0F0F0F) | odd_high
+
+
+@triton.jit
 def _groupwise_gemv_int_kernel(
     xq_ptr,
     corr_ptr,
@@ -614,6 +635,8 @@ def _groupwise_gemv_int_kernel(
     stride_conv_weight,
     stride_window_slot,
     stride_window_c,
+    high_ptr,
+    stride_high,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     GATHER: tl.constexpr,
@@ -637,7 +660,10 @@ def _groupwise_gemv_int_kernel(
     it; each channel is one program's alone.
     SWIGLU (with GATHER; the whole row in one step of BLOCK_WORDS words): x row m is silu(gate)
     * up of row m of swiglu_ptr's [gate | up] rows, rounded to their dtype and split here, in
-    `swiglu_triton`'s and `split_codes`' arithmetic; xq, corr and xscale are not read."""
+    `swiglu_triton`'s and `split_codes`' arithmetic; xq, corr and xscale are not read.
+    BITS 6 (q6_g64; one x row, no GATHER, SWIGLU or CONV): words_ptr is the low plane, laid out
+    as q4's, and high_ptr the two high bits of each value, 16 bits per low word; x is split as
+    for q4."""
     await_inputs(PDL)
     pid_n = tl.program_id(0)
     col = tl.program_id(1)
@@ -663,8 +689,9 @@ def _groupwise_gemv_int_kernel(
         tap_1 = tl.load(taps + 1, mask=conv_rows, other=0.0).to(tl.float32)
         tap_2 = tl.load(taps + 2, mask=conv_rows, other=0.0).to(tl.float32)
         tap_3 = tl.load(taps + 3, mask=conv_rows, other=0.0).to(tl.float32)
-    parities: tl.constexpr = 2 if BITS == 4 else 1
-    words_per_group: tl.constexpr = GROUP * BITS // 32
+    # q6's low plane is q4's: x is split as for q4 and the words hold eight values
+    parities: tl.constexpr = 1 if BITS == 8 else 2
+    words_per_group: tl.constexpr = GROUP * (4 if BITS == 6 else BITS) // 32
     level = parities * num_words
     x_words = xq_ptr + m * (2 * level)
     if SWIGLU:
@@ -684,6 +711,7 @@ def _groupwise_gemv_int_kernel(
             even_coarse = tl.reshape(own_coarse, [row_groups, words_per_group])
             even_fine = tl.reshape(own_fine, [row_groups, words_per_group])
     word_rows = words_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_words
+    high_rows = high_ptr + rows[:, None].to(tl.int64) * stride_high
     scale_rows = scales_ptr + expert * stride_se + rows[:, None].to(tl.int64) * stride_scales
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=STAGES):
@@ -696,9 +724,15 @@ def _groupwise_gemv_int_kernel(
         else:
             x_coarse = tl.load(x_words + cols, mask=col_mask, other=0)[None, :]
             x_fine = tl.load(x_words + level + cols, mask=col_mask, other=0)[None, :]
-        if BITS == 4:
-            low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
-            high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
+        if BITS != 8:
+            if BITS == 4:
+                low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
+                high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
+            else:
+                low, high = _q6_words(
+                    w,
+                    tl.load(high_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :]),
+                )
             if SWIGLU:
                 xo_coarse = tl.reshape(odd_coarse, [BLOCK_WORDS])[None, :]
                 xo_fine = tl.reshape(odd_fine, [BLOCK_WORDS])[None, :]
@@ -726,6 +760,8 @@ def _groupwise_gemv_int_kernel(
         else:
             if BITS == 4:
                 group_sums -= tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
+            elif BITS == 6:  # u = code + 32: four times q4's correction
+                group_sums -= 4 * tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
             x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
         w_scale = tl.load(
             scale_rows + groups[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0.0
@@ -816,6 +852,7 @@ def _int_linear(
     experts: torch.Tensor | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     swiglu: bool = False,
+    high: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x split into int8 pairs once, then the integer GEMV over codes [(E,) N, Kp*bits/8] and
     scales [(E,) N, Kp/group]; with `conv` (taps, windows, state slots), the causal conv of
@@ -828,14 +865,15 @@ def _int_linear(
     words = codes.view(torch.int32)
     num_words = words.shape[-1]
     num_groups = scales.shape[-1]
+    x_bits = 4 if bits == 6 else bits  # q6's low plane is q4's, and so is its x split
     if swiglu:  # x is [gate | up]; the kernel splits the activation itself
         x_codes = corr = steps = x
-    elif (split := attached(x, bits, group, num_groups)) is not None:
+    elif (split := attached(x, x_bits, group, num_groups)) is not None:
         x_codes, corr, steps = split.codes, split.corr, split.steps
     else:
-        x_codes, corr, steps = split_x(x, bits, group, num_groups * group)
+        x_codes, corr, steps = split_x(x, x_bits, group, num_groups * group)
     block_n, block_words = _int_config(num_rows, num_words, out_rows, x.device, bits)
-    words_per_group = group * bits // 32
+    words_per_group = group * x_bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
     if swiglu:  # the kernel splits the activation of the whole row in one step
         block_words = num_words
@@ -863,6 +901,8 @@ def _int_linear(
         conv[0].stride(0) if conv is not None else 0,
         conv[1].stride(0) if conv is not None else 0,
         conv[1].stride(1) if conv is not None else 0,
+        high.view(torch.int16) if high is not None else out,
+        high.view(torch.int16).stride(0) if high is not None else 0,
         BITS=bits,
         GROUP=group,
         GATHER=gather,
@@ -967,7 +1007,13 @@ def integer_linear_conv(
 
 def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """`groupwise_linear` through the integer kernel whatever the rows (one x row per program
-    column)."""
+    column); it also takes q6_g64 weights (`ONE_ROW_FORMATS`), reading their two planes."""
+    if weight.format == "q6_g64_fp16":
+        k = weight.shape[-1]
+        if x.shape[-1] != k or x.stride(-1) != 1:
+            raise ValueError(f"x {tuple(x.shape)} does not fit a q6 weight {tuple(weight.shape)}")
+        codes, high, scales = (weight.planes[name] for name in ("codes", "high", "scales"))
+        return _int_linear(x, codes, scales, weight.shape[0], 6, 64, high=high)
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     return _int_linear(x, codes, scales, weight.shape[0], bits, group)
 

@@ -22,6 +22,9 @@ import torch
 
 # The integer GEMV's formats: (bits per code, values per group).
 INT_FORMATS = {"q8_g32_fp16": (8, 32), "q4_g64_fp16": (4, 64)}
+# The x split each format's integer GEMV reads: its own, and for q6_g64 (read as a q4 low plane
+# plus two high bits) q4's.
+SPLIT_LAYOUTS = {**INT_FORMATS, "q6_g64_fp16": (4, 64)}
 # Up to this many x rows a dense product runs the integer kernel; beyond it the tensor-core
 # kernel, which reads x itself (bench/decode_kernels.md).
 INT_MAX_ROWS = 1
@@ -46,9 +49,9 @@ class SplitRequest:
 
     @classmethod
     def for_format(cls, format: str, max_rows: int = INT_MAX_ROWS) -> SplitRequest | None:
-        if format not in INT_FORMATS:
+        if format not in SPLIT_LAYOUTS:
             return None
-        return cls(*INT_FORMATS[format], max_rows)
+        return cls(*SPLIT_LAYOUTS[format], max_rows)
 
     def wanted(self, x_rows: int, width: int) -> bool:
         return 0 < x_rows <= self.max_rows and width % self.group == 0

@@ -397,7 +397,7 @@ def _split_request(consumer: nn.Module | None, max_rows: int = INT_MAX_ROWS) -> 
     if isinstance(consumer, FusedLinear):
         consumer = consumer.linear
     if isinstance(consumer, GroupwiseLinear):
-        return SplitRequest.for_format(consumer.format, max_rows)
+        return SplitRequest.for_format(consumer.split_format, max_rows)
     if isinstance(consumer, GroupwiseExperts):
         return SplitRequest.for_format(consumer.stored_as["gate_up_proj"][0], max_rows)
     return None

@@ -33,6 +33,28 @@ def test_integer_gemv_at_the_27b_shapes(format_name, n, k, m):
         )
 
 
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(("n", "k"), [(32768, 5120), (12288, 2048), (96, 5000)], ids=str)
+def test_integer_gemv_reads_q6_planes_as_stored(n, k, m):
+    """q6_g64 (the heads' stored format) read as its low and high planes: within the same bound
+    of the fp32 product of the dequantized weight, at the 27B and 35B-A3B head widths and a
+    K that pads its last group; and a head layer's one row (`GroupwiseLinear.one_row`) gives
+    what the q8_g32 it widens to gives, up to the two splits of x."""
+    from ninfer.kernels import groupwise_gemv_triton
+    from ninfer.models.layers.linear import GroupwiseLinear
+    from ninfer.quant import get_format
+    from ninfer.quant.groupwise import widen_to_q8
+
+    torch.manual_seed(n + m)
+    integer = SimpleNamespace(groupwise_linear=groupwise_gemv_triton.integer_linear)
+    check_groupwise_linear(integer, "q6_g64_fp16", m, n, k, torch.bfloat16, "cuda", 4e-3)
+    q6 = get_format("q6_g64_fp16").encode(torch.randn(n, k, device="cuda") * 0.05)
+    layer = GroupwiseLinear(widen_to_q8(q6), q6)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    widened = groupwise_gemv_triton.groupwise_linear(x, layer.encoded).float()
+    assert (layer(x).float() - widened).norm() <= 4e-3 * widened.norm()
+
+
 @pytest.mark.parametrize(
     ("n", "k"), [(16384, 5120), (14336, 5120), (5120, 17408), (12288, 2048)], ids=str
 )

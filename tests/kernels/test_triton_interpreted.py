@@ -22,12 +22,14 @@ from kernel_cases import (
     check_silu_mul,
     gdn_inputs,
     query_start_of,
+    relative_error,
 )
 from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
 from ninfer.quant import EncodedTensor, get_format
+from ninfer.quant.groupwise import widen_to_q8
 
 require_interpreter()
 
@@ -336,6 +338,25 @@ def test_groupwise_linear_integer_kernel_matches_dequantized_product(
     check_groupwise_linear(integer, format_name, m, n, k, torch.float16, "cpu", 1e-3)
     if m == 1:
         check_groupwise_linear(module, format_name, m, n, k, torch.float16, "cpu", 1e-3)
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 300), (12, 1000), (256, 2304)], ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+def test_integer_kernel_reads_q6_planes_as_the_dequantized_product(interpreted, n, k, m):
+    """q6_g64 (the head's stored format) read as its two planes, u = code + 32 per byte: the
+    product of the dequantized weight up to x's split, every code -32..31 among the values;
+    and the same as the q8_g32 it widens to within that split's error."""
+    module = interpreted("groupwise_gemv_triton")
+    integer = SimpleNamespace(groupwise_linear=module.integer_linear)
+    check_groupwise_linear(integer, "q6_g64_fp16", m, n, k, torch.float16, "cpu", 1e-3)
+    encoded = get_format("q6_g64_fp16").encode(torch.randn(n, k) * 0.05)
+    assert set(get_format("q6_g64_fp16").unpack_codes(encoded.planes).unique().tolist()) >= set(
+        range(-31, 32)
+    )
+    x = torch.randn(m, k).half()
+    out = module.integer_linear(x, encoded).float()
+    widened = module.integer_linear(x, widen_to_q8(encoded)).float()
+    assert relative_error(out, widened) < 1e-3
 
 
 @pytest.mark.parametrize(("format_name", "k"), [("q4_g64_fp16", 300), ("q8_g32_fp16", 200)])

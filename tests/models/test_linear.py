@@ -15,6 +15,7 @@ from ninfer.models.layers.linear import GEMV_MAX_ROWS, GroupwiseLinear, quantize
 from ninfer.models.qwen3_5 import runs_quantized
 from ninfer.models.weights import StateDictSource
 from ninfer.quant import get_format
+from ninfer.quant.groupwise import widen_to_q8
 
 
 @pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
@@ -56,7 +57,29 @@ def test_only_linears_stored_in_a_gemv_format_or_a_widened_one_are_kept_encoded(
     assert isinstance(down, GroupwiseLinear) and down.format == "q8_g32_fp16"
     stored = source.encoded("x/block.down.weight").decode(torch.float32)
     assert torch.equal(down.encoded.decode(torch.float32), stored)
+    # ... and kept as stored too, for the integer GEMV's one-row products
+    assert down.one_row.format == "q6_g64_fp16" and down.split_format == "q6_g64_fp16"
+    assert torch.equal(down.one_row.decode(torch.float32), stored)
+    assert model.block.up.one_row is None and model.block.up.split_format == "q4_g64_fp16"
     assert isinstance(model.block.gate, nn.Linear)
+
+
+@pytest.mark.parametrize("rows", [1, 2, GEMV_MAX_ROWS + 1])
+def test_a_one_row_weight_serves_one_row_and_the_widened_one_the_rest(monkeypatch, rows):
+    """A q6 head: one x row reads the q6 planes (the integer GEMV), more read the q8_g32 they
+    widen to; both are the product with the same dequantized weight. Such linears are not
+    stacked with others (the one-row weight would be lost)."""
+    q6 = get_format("q6_g64_fp16").encode(torch.randn(24, 128) * 0.1)
+    layer = GroupwiseLinear(widen_to_q8(q6), q6)
+    read = []
+    monkeypatch.setattr(linear, "integer_linear", lambda x, w: read.append(w.format) or w)
+    x = torch.randn(rows, 128)
+    out = layer(x)
+    if rows == 1:
+        assert read == ["q6_g64_fp16"]
+    else:
+        assert read == [] and torch.equal(out, F.linear(x, q6.decode(torch.float32)))
+    assert linear.fuse_linears([layer, GroupwiseLinear(widen_to_q8(q6))]) is None
 
 
 def test_above_the_gemv_rows_the_weight_is_dequantized_a_block_of_rows_at_a_time(monkeypatch):

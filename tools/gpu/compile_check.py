@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -270,6 +271,9 @@ def cases():
             groupwise_gemv_triton, q4, 1, 2048, 5120, BF16, cpu, 1e-2)),
         ("integer gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 1, 2048, 5120, BF16, cpu, 1e-2)),
+        ("integer gemv q6 (planes read as stored)", lambda: kc.check_groupwise_linear(
+            types.SimpleNamespace(groupwise_linear=groupwise_gemv_triton.integer_linear),
+            "q6_g64_fp16", 1, 2048, 5120, BF16, cpu, 1e-2)),
         ("tensor-core gemv q4, split-K", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 512, 17408, BF16, cpu, 1e-2)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(

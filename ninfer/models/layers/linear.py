@@ -7,9 +7,10 @@ into one transient buffer and run a dense matmul, which is compute-bound anyway.
 `quantize_linears` swaps the `nn.Linear`s of a model built on the meta device for these where
 the weight source stores a supported format, or q5_g64/q6_g64 (the head of the groupwise-int
 profile), which are widened to q8_g32 holding the same values: read at 8.5 bits per weight
-instead of as a 16-bit dequantized matrix (the 27B head: 1.35 GB a step instead of 2.54). It
-is used on CUDA in half precision only: the CPU path keeps every weight dequantized at load,
-so it stays the exact reference.
+instead of as a 16-bit dequantized matrix (the 27B head: 1.35 GB a step instead of 2.54). A
+q6 head is also kept as stored for one-row products, which the integer GEMV reads at 6.25
+bits (0.99 GB). It is used on CUDA in half precision only: the CPU path keeps every weight
+dequantized at load, so it stays the exact reference.
 
 `fuse_linears` stacks the weight rows of linears that read one input into one `FusedLinear`
 after loading, so a decode step launches one GEMV where it launched several (row_groups_v1
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels.dispatch import groupwise_dequant, groupwise_linear
+from ninfer.kernels.dispatch import groupwise_dequant, groupwise_linear, integer_linear
+from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.quant import EncodedTensor
 from ninfer.quant.groupwise import widen_to_q8
 
@@ -60,16 +62,25 @@ def _row_block(weight: EncodedTensor, start: int, end: int) -> EncodedTensor:
 
 
 class GroupwiseLinear(nn.Module):
-    def __init__(self, encoded: EncodedTensor) -> None:
+    """`one_row`: the same weight in a format only the integer GEMV reads (q6_g64 beside the
+    q8_g32 it widens to), which products of up to INT_MAX_ROWS rows read instead."""
+
+    def __init__(self, encoded: EncodedTensor, one_row: EncodedTensor | None = None) -> None:
         super().__init__()
         if len(encoded.shape) != 2:
             raise ValueError(f"a linear weight is 2-D, got shape {encoded.shape}")
+        if one_row is not None and tuple(one_row.shape) != tuple(encoded.shape):
+            raise ValueError(f"one-row weight {one_row.shape} for a {encoded.shape} linear")
         self.format = encoded.format
         self.layout = encoded.layout
         self.shape = tuple(encoded.shape)
         self.plane_names = tuple(encoded.planes)
         for name, plane in encoded.planes.items():
             self.register_buffer(name, plane, persistent=False)
+        self.one_row_format = one_row.format if one_row is not None else None
+        self.one_row_planes = tuple(one_row.planes) if one_row is not None else ()
+        for name in self.one_row_planes:
+            self.register_buffer(f"one_row_{name}", one_row.planes[name], persistent=False)
 
     @property
     def in_features(self) -> int:
@@ -84,7 +95,23 @@ class GroupwiseLinear(nn.Module):
         planes = {name: getattr(self, name) for name in self.plane_names}
         return EncodedTensor(self.format, self.layout, self.shape, planes)
 
+    @property
+    def one_row(self) -> EncodedTensor | None:
+        if self.one_row_format is None:
+            return None
+        planes = {name: getattr(self, f"one_row_{name}") for name in self.one_row_planes}
+        return EncodedTensor(self.one_row_format, self.layout, self.shape, planes)
+
+    @property
+    def split_format(self) -> str:
+        """The format whose x split a producer writes for this linear (`kernels/x_split.py`):
+        the one-row weight's where there is one, as only one-row products read a split."""
+        return self.one_row_format or self.format
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one_row = self.one_row
+        if one_row is not None and 0 < x.shape[0] <= INT_MAX_ROWS:
+            return integer_linear(x, one_row)
         return encoded_linear(x, self.encoded)
 
     def extra_repr(self) -> str:
@@ -96,6 +123,10 @@ class GroupwiseLinear(nn.Module):
 GEMV_FORMATS = frozenset({"q8_g32_fp16", "q4_g64_fp16"})
 # Kept encoded too, widened to q8_g32 (`quant.groupwise.widen_to_q8`).
 WIDENED_FORMATS = frozenset({"q5_g64_fp16", "q6_g64_fp16"})
+# ... and those of them also kept as stored, for one-row products (`GroupwiseLinear.one_row`):
+# the 27B head read at 6.25 bits a weight instead of 8.5 (0.99 GB a step instead of 1.35),
+# for 0.99 GB more memory.
+ONE_ROW_FORMATS = frozenset({"q6_g64_fp16"})
 
 
 def quantize_linears(
@@ -127,9 +158,10 @@ def quantize_linears(
             continue
         planes = {key: plane.to(device) for key, plane in encoded.planes.items()}
         on_device = EncodedTensor(encoded.format, encoded.layout, encoded.shape, planes)
+        one_row = on_device if encoded.format in ONE_ROW_FORMATS else None
         if encoded.format in WIDENED_FORMATS:
             on_device = widen_to_q8(on_device)
-        layer = GroupwiseLinear(on_device)
+        layer = GroupwiseLinear(on_device, one_row)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
         replaced.append(name)
@@ -173,7 +205,7 @@ class FusedLinear(nn.Module):
 def fuse_linears(linears: Sequence[nn.Module]) -> FusedLinear | None:
     """One `FusedLinear` computing the outputs of `linears` (bias-free, one input width), or
     None where their weights cannot be stacked: dense and encoded mixed, different dtypes,
-    devices or formats."""
+    devices or formats, or one-row weights (`GroupwiseLinear.one_row`), which would be lost."""
     first = linears[0]
     if not all(linear.in_features == first.in_features for linear in linears):
         return None
@@ -188,7 +220,7 @@ def fuse_linears(linears: Sequence[nn.Module]) -> FusedLinear | None:
         return FusedLinear(stacked, sizes)
     if all(isinstance(linear, GroupwiseLinear) for linear in linears):
         stored = {(linear.format, linear.layout, linear.plane_names) for linear in linears}
-        if len(stored) != 1:
+        if len(stored) != 1 or any(linear.one_row_format for linear in linears):
             return None
         fmt, layout, plane_names = stored.pop()
         planes = {
