@@ -115,7 +115,11 @@ class GroupwiseLinear(nn.Module):
         return encoded_linear(x, self.encoded)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+        one_row = f", one_row={self.one_row_format}" if self.one_row_format else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.format}{one_row}"
+        )
 
 
 # The formats `groupwise_gemv_triton.SUPPORTED` runs (a GPU test keeps the two equal); named
