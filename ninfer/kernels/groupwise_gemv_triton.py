@@ -661,7 +661,7 @@ def _groupwise_gemv_int_kernel(
     SWIGLU (with GATHER; the whole row in one step of BLOCK_WORDS words): x row m is silu(gate)
     * up of row m of swiglu_ptr's [gate | up] rows, rounded to their dtype and split here, in
     `swiglu_triton`'s and `split_codes`' arithmetic; xq, corr and xscale are not read.
-    BITS 6 (q6_g64; one x row, no GATHER, SWIGLU or CONV): words_ptr is the low plane, laid out
+    BITS 6 (q6_g64; not with GATHER, SWIGLU or CONV): words_ptr is the low plane, laid out
     as q4's, and high_ptr the two high bits of each value, 16 bits per low word; x is split as
     for q4."""
     await_inputs(PDL)
@@ -1013,6 +1013,8 @@ def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         if x.shape[-1] != k or x.stride(-1) != 1:
             raise ValueError(f"x {tuple(x.shape)} does not fit a q6 weight {tuple(weight.shape)}")
         codes, high, scales = (weight.planes[name] for name in ("codes", "high", "scales"))
+        if any(plane.stride(-1) != 1 for plane in (codes, high, scales)):
+            raise ValueError("groupwise GEMV needs unit stride along K")
         return _int_linear(x, codes, scales, weight.shape[0], 6, 64, high=high)
     bits, group, codes, scales = _unit_stride_planes(x, weight)
     return _int_linear(x, codes, scales, weight.shape[0], bits, group)
