@@ -131,11 +131,14 @@ TC_PACKED_DEQUANT = True
 # no multiply, and no rounding of the weight to x's dtype (the result is nearer the exact
 # product than the dequantized weight's, not bit for bit it).
 TC_SCALE_AFTER = True
-# ... and for q4 at up to eight x rows, the weight as the product's first operand and x as its
+# ... and at up to eight x rows, the weight as the product's first operand and x as its
 # second, eight wide: the m16n8k16 MMA then holds no padding rows of x, and each group's scale
-# multiplies half the accumulator. Compiled for sm_90 (64/256 tiles, M = 8) the loop takes 370
-# instructions a tile against 450 with x first and padded to 16 rows (432 with x first at 8
-# rows). At 16 rows this order takes wgmma and 598, so it stops at eight.
+# multiplies half the accumulator. Compiled for sm_90 at M = 8 the loop takes, for q4 (64/256
+# tiles), 370 instructions a tile against 450 with x first and padded to 16 rows (432 with x
+# first at 8 rows); for q8 (64/128), 248 against 317, and 80 registers against 119. At 16 rows
+# this order takes wgmma (q4: 598), so it stops at eight. On the GPU machine the 27B C=8 step
+# went 9.28-9.30 -> 8.77 ms (q4) and 13.43-13.44 -> 13.21 ms (q8, docs/performance.md
+# Measurement 16).
 TC_WEIGHTS_FIRST = True
 
 
@@ -383,7 +386,6 @@ def _group_scaled_after(
     tensor cores (q4: two products, even and odd columns), then times the group's scale in
     fp32. code_rows [rows, 1] points at the rows' codes; scale [rows] is the group's
     scales in fp32 (0 past the rows and groups)."""
-    tl.static_assert(BITS == 4 or not WEIGHTS_FIRST, "the weight first: q4 only")
     group_bytes: tl.constexpr = GROUP * BITS // 8
     in_group = tl.arange(0, group_bytes)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -400,7 +402,11 @@ def _group_scaled_after(
         x_mask = m_mask[:, None] & (cols < K)[None, :]
         xs = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
     if BITS == 8:  # |code| <= 127: exact in bf16 and fp16
-        product = tl.dot(xs, tl.trans(raw.to(tl.float32).to(xs.dtype)))
+        codes = raw.to(tl.float32).to(xs.dtype)
+        if WEIGHTS_FIRST:
+            product = tl.dot(codes, tl.trans(xs))
+        else:
+            product = tl.dot(xs, tl.trans(codes))
     else:
         half: tl.constexpr = GROUP // 2
         if PACKED:
@@ -1053,7 +1059,7 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     if m <= INT_MAX_ROWS:
         return _int_linear(x, codes, scales, num_rows, bits, group)
     num_groups = scales.shape[1]
-    weights_first = TC_WEIGHTS_FIRST and TC_SCALE_AFTER and bits == 4 and m <= 8
+    weights_first = TC_WEIGHTS_FIRST and TC_SCALE_AFTER and m <= 8
     block_m = 8 if weights_first else min(64, max(16, next_power_of_2(m)))
     block_n, block_k, warps, stages = TC_CONFIG[weight.format]
     block_k = min(block_k, max(group, next_power_of_2(num_groups * group)))
