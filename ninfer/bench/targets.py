@@ -118,7 +118,10 @@ def executed_formats(model: torch.nn.Module) -> str:
 
     dense = str(next(model.parameters()).dtype).removeprefix("torch.")
     kept = (GroupwiseLinear, GroupwiseExperts)
-    encoded = sorted({m.format for m in model.modules() if isinstance(m, kept)})
+    formats = {m.format for m in model.modules() if isinstance(m, kept)}
+    # and those read as stored at one row beside their widened form (`GroupwiseLinear.one_row`)
+    formats |= {m.one_row_format for m in model.modules() if getattr(m, "one_row_format", None)}
+    encoded = sorted(formats)
     return "+".join([dense, *encoded])
 
 

@@ -31,10 +31,14 @@ def test_random_moe_model_keeps_its_experts_encoded(monkeypatch, weights, expect
     assert all(m.shared_local == 8 for m in experts)
     assert any(isinstance(m, GroupwiseLinear) for m in model.modules())
     assert not any(isinstance(m, Experts) for m in model.modules())
-    # the q4 profile stores the head q6, which loads widened to q8 and kept encoded
+    # the q4 profile stores the head q6, which loads widened to q8 and kept encoded, and also
+    # as stored for one-row products
     head = model.lm_head
     assert isinstance(head, GroupwiseLinear) and head.format == "q8_g32_fp16"
-    assert executed_formats(model) == "+".join(sorted({"float32", expected, "q8_g32_fp16"}))
+    one_row = "q6_g64_fp16" if weights == "q4" else None
+    assert head.one_row_format == one_row
+    formats = {"float32", expected, "q8_g32_fp16"} | ({one_row} if one_row else set())
+    assert executed_formats(model) == "+".join(sorted(formats))
 
 
 def test_executed_formats_names_encoded_experts_without_encoded_linears(monkeypatch):

@@ -316,6 +316,22 @@ def test_tensor_core_scaled_after_its_product_is_the_exact_product(
     assert (out - exact).abs().mean() < (rounded - exact).abs().mean()
 
 
+@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("m", [2, 7])
+def test_tensor_core_weight_first_and_x_first_give_one_product(interpreted, format_name, m):
+    """At up to eight x rows the weight is the product's first operand (`TC_WEIGHTS_FIRST`);
+    x first, as above eight rows, multiplies the same exact codes and scales: the same
+    products to within their fp32 sums' order, on masked tiles."""
+    module = interpreted("groupwise_gemv_triton")
+    assert module.TC_WEIGHTS_FIRST and module.TC_SCALE_AFTER
+    encoded = get_format(format_name).encode(torch.randn(150, 1000) * 0.05)
+    x = torch.randn(m, 1000).half()
+    first = module.groupwise_linear(x, encoded).float()
+    module.TC_WEIGHTS_FIRST = False
+    second = module.groupwise_linear(x, encoded).float()
+    torch.testing.assert_close(first, second, rtol=2e-3, atol=1e-3 * second.abs().max().item())
+
+
 @pytest.mark.parametrize(
     ("format_name", "n", "k"),
     [

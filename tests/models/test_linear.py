@@ -72,14 +72,30 @@ def test_a_one_row_weight_serves_one_row_and_the_widened_one_the_rest(monkeypatc
     q6 = get_format("q6_g64_fp16").encode(torch.randn(24, 128) * 0.1)
     layer = GroupwiseLinear(widen_to_q8(q6), q6)
     read = []
-    monkeypatch.setattr(linear, "integer_linear", lambda x, w: read.append(w.format) or w)
-    x = torch.randn(rows, 128)
+
+    def integer_linear(x, weight):
+        assert x.is_contiguous()  # the kernel takes rows of unit stride
+        read.append(weight.format)
+        return weight
+
+    monkeypatch.setattr(linear, "integer_linear", integer_linear)
+    x = torch.randn(rows, 256)[:, ::2]  # a strided view of x
     out = layer(x)
     if rows == 1:
         assert read == ["q6_g64_fp16"]
     else:
         assert read == [] and torch.equal(out, F.linear(x, q6.decode(torch.float32)))
     assert linear.fuse_linears([layer, GroupwiseLinear(widen_to_q8(q6))]) is None
+
+
+def test_the_one_row_formats_are_formats_the_integer_gemv_reads():
+    """A one-row weight the Triton integer GEMV could not read would be decoded whole at every
+    call (`dispatch.integer_linear`'s reference path): the layer's set stays within the
+    kernel's."""
+    pytest.importorskip("triton")
+    from ninfer.kernels import groupwise_gemv_triton
+
+    assert linear.ONE_ROW_FORMATS <= set(groupwise_gemv_triton.ONE_ROW_FORMATS)
 
 
 def test_above_the_gemv_rows_the_weight_is_dequantized_a_block_of_rows_at_a_time(monkeypatch):

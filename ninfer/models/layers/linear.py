@@ -111,7 +111,7 @@ class GroupwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one_row = self.one_row
         if one_row is not None and 0 < x.shape[0] <= INT_MAX_ROWS:
-            return integer_linear(x, one_row)
+            return integer_linear(x.contiguous(), one_row)
         return encoded_linear(x, self.encoded)
 
     def extra_repr(self) -> str:
