@@ -19,21 +19,35 @@ class UnsupportedModelError(NinferError):
 
 
 class InvalidRequestError(NinferError):
-    """A generation request is malformed: empty prompt, out-of-range sampling value, bad token id."""
+    """A generation request is malformed: empty prompt, out-of-range sampling value, bad token id.
+    `param` names the request field at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthExceeded(InvalidRequestError):
     """Prompt plus the output limit does not fit the per-request context window."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_context: int) -> None:
+        """max_tokens None: no limit was asked for, and the prompt leaves no room for one
+        generated token."""
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.max_context = max_context
-        super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-            f"{prompt_tokens + max_tokens} tokens exceeds the context window of "
-            f"{max_context} tokens"
-        )
+        if max_tokens is None:
+            message = (
+                f"prompt ({prompt_tokens} tokens) leaves no room for a generated token in the "
+                f"context window of {max_context} tokens"
+            )
+        else:
+            message = (
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{prompt_tokens + max_tokens} tokens exceeds the context window of "
+                f"{max_context} tokens"
+            )
+        super().__init__(message)
 
 
 class QueueFull(NinferError):

@@ -74,7 +74,7 @@ class EngineCore:
                 raise ContextLengthExceeded(prompt_len, asked, self.config.max_context)
             return asked
         if room < 1:
-            raise ContextLengthExceeded(prompt_len, 1, self.config.max_context)
+            raise ContextLengthExceeded(prompt_len, None, self.config.max_context)
         default = self.config.default_max_tokens
         return room if default is None else min(default, room)
 

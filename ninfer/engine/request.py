@@ -64,8 +64,10 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidRequestError` naming the first field out of range."""
 
-        def bad(name: str, value: object, rule: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{name} = {value!r} is invalid: {rule}")
+        def bad(
+            name: str, value: object, rule: str, param: str | None = None
+        ) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} = {value!r} is invalid: {rule}", param or name)
 
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, "must be >= 0")
@@ -88,15 +90,19 @@ class SamplingParams:
         for name, values in (("stop", self.stop), ("reasoning_stop", self.reasoning_stop)):
             if any(not isinstance(s, str) or not s for s in values):
                 raise bad(name, list(values), "stop strings must be non-empty strings")
-        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
-        for token_id in ids:
-            if not isinstance(token_id, int) or token_id < 0:
-                raise bad("token id", token_id, "must be a non-negative integer")
-            if vocab_size is not None and token_id >= vocab_size:
-                raise bad("token id", token_id, f"must be < the vocabulary size {vocab_size}")
+        for field_name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", (self.logit_bias or {}).keys()),
+        ):
+            for token_id in ids:
+                if not isinstance(token_id, int) or token_id < 0:
+                    raise bad("token id", token_id, "must be a non-negative integer", field_name)
+                if vocab_size is not None and token_id >= vocab_size:
+                    rule = f"must be < the vocabulary size {vocab_size}"
+                    raise bad("token id", token_id, rule, field_name)
         for token_id, value in (self.logit_bias or {}).items():
             if not math.isfinite(value) or abs(value) > 100.0:
-                raise bad(f"logit_bias[{token_id}]", value, "must be in [-100, 100]")
+                raise bad(f"logit_bias[{token_id}]", value, "must be in [-100, 100]", "logit_bias")
 
 
 _request_counter = itertools.count()

@@ -289,7 +289,15 @@ def _stop_reason(completion: Completion) -> str:
         return "tool_use"
     if completion.finish_reason == "length":
         return "max_tokens"
+    if _stop_sequence(completion) is not None:
+        return "stop_sequence"
     return "end_turn"
+
+
+def _stop_sequence(completion: Completion) -> str | None:
+    """The stop sequence that ended the reply (a stop token ends a turn instead)."""
+    stop = completion.stop_reason
+    return stop if completion.finish_reason == "stop" and isinstance(stop, str) else None
 
 
 def _content_blocks(completion: Completion) -> list[dict]:
@@ -315,7 +323,7 @@ def message_body(completion: Completion, *, message_id: str, model: str) -> dict
         "model": model,
         "content": _content_blocks(completion),
         "stop_reason": _stop_reason(completion),
-        "stop_sequence": None,
+        "stop_sequence": _stop_sequence(completion),
         "usage": {
             "input_tokens": completion.usage.prompt_tokens,
             "output_tokens": completion.usage.completion_tokens,
@@ -410,7 +418,10 @@ async def messages_sse(
             yield _event(
                 "message_delta",
                 {
-                    "delta": {"stop_reason": _stop_reason(item), "stop_sequence": None},
+                    "delta": {
+                        "stop_reason": _stop_reason(item),
+                        "stop_sequence": _stop_sequence(item),
+                    },
                     "usage": {"output_tokens": item.usage.completion_tokens},
                 },
             )

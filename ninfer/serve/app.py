@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ninfer.serve import anthropic, openai_chat, responses
 from ninfer.serve.auth import OPEN_PATHS, authorized
 from ninfer.serve.errors import (
+    PROMPT_PARAMS,
     ApiError,
     bad_json,
     cancel_not_supported,
@@ -323,10 +324,11 @@ def create_app(
         started = time.perf_counter()
         request_id = state.log.next_id()
         engine_id = f"{chat.protocol}-{state.log.instance_id}-{request_id}"
+        prompt_param = PROMPT_PARAMS.get(chat.protocol, "messages")
         try:
             generation = state.service.prepare(chat, engine_id)
         except Exception as exc:
-            return rejected(to_api_error(exc), request, chat.protocol)
+            return rejected(to_api_error(exc, prompt_param), request, chat.protocol)
         trace = RequestTrace(state, generation, request, request_id)
         trace.prepare_s = time.perf_counter() - started
         outputs = state.service.outputs(generation)
@@ -339,7 +341,7 @@ def create_app(
                 trace.complete(completion)
                 return JSONResponse(answer)
         except Exception as exc:
-            err = to_api_error(exc)
+            err = to_api_error(exc, prompt_param)
             trace.fail(err)
             await outputs.aclose()
             return error_response(err, request.url.path)

@@ -139,12 +139,13 @@ def client_disconnected() -> ApiError:
     )
 
 
-def to_api_error(exc: BaseException) -> ApiError:
-    """Map any exception raised while serving a request to its ApiError."""
+def to_api_error(exc: BaseException, prompt_param: str = "messages") -> ApiError:
+    """Map any exception raised while serving a request to its ApiError; `prompt_param` is the
+    protocol's field that holds the prompt (Responses: `input`)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, core_errors.ContextLengthExceeded):
-        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+        return ApiError(400, str(exc), code="context_length_exceeded", param=prompt_param)
     if isinstance(exc, core_errors.QueueFull):
         return ApiError(429, str(exc) or "no free active or pending slot", code="server_overloaded")
     if isinstance(exc, core_errors.QueueTimeout):
@@ -152,8 +153,12 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, core_errors.EngineClosed):
         return ApiError(503, str(exc) or "the engine is not running", code="service_unavailable")
     if isinstance(exc, core_errors.NinferError):
-        return ApiError(400, str(exc))
+        return ApiError(400, str(exc), param=getattr(exc, "param", None))
     return ApiError(500, f"internal error ({type(exc).__name__})", code="internal_error")
+
+
+# The field that holds the prompt, by protocol, where it is not `messages`.
+PROMPT_PARAMS = {"responses": "input"}
 
 
 def sse_error_event(err: ApiError, *, anthropic: bool) -> bytes:

@@ -15,7 +15,13 @@ from typing import Any
 
 from ninfer.chat.presets import SamplingFields
 from ninfer.chat.tool_calls import ToolCall
-from ninfer.serve.errors import ApiError, invalid, response_not_found, to_api_error
+from ninfer.serve.errors import (
+    PROMPT_PARAMS,
+    ApiError,
+    invalid,
+    response_not_found,
+    to_api_error,
+)
 from ninfer.serve.output import Completion, TextDelta, new_id
 from ninfer.serve.request import (
     OPENAI_TOOL_NAME_MAX,
@@ -779,7 +785,7 @@ async def responses_sse(
                 on_complete(completion)
             yield event(f"response.{status}", {"response": body})
     except Exception as exc:  # reported in-band: the status line has already been sent
-        err = to_api_error(exc)
+        err = to_api_error(exc, PROMPT_PARAMS["responses"])
         if on_error is not None:
             on_error(err)
         body = response_body(call, status="failed", output=done_items, error=err)

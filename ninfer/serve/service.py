@@ -85,7 +85,7 @@ class GenerationService:
         fields = resolve_sampling(preset, self.sampling_flags, request.sampling, self.greedy)
         room = self.max_context - prompt_len
         if room < 1:
-            raise ContextLengthExceeded(prompt_len, 1, self.max_context)
+            raise ContextLengthExceeded(prompt_len, None, self.max_context)
         # A limit past the context window ends with finish reason "length" when the window
         # fills, as a defaulted one does; only a prompt that leaves no room is an error.
         max_tokens = None if request.max_tokens_defaulted else min(request.max_tokens, room)

@@ -19,11 +19,12 @@ EFFORTS = ("low", "medium", "xhigh")
 @dataclass
 class ScriptedEngine:
     """Answers every request with `script`: (channel, text) pieces, one token each, then
-    `finish` (with `finish_error`, as the engine reports a request that failed after
-    submit). `error` is raised on submit; `requests` and `aborted` record what happened."""
+    `finish` (with `stop_reason`, the stop string or token id that ended it, and `finish_error`,
+    as the engine reports a request that failed after submit). `error` is raised on submit; `requests` and `aborted` record what happened."""
 
     script: list[tuple[str, str]] = field(default_factory=lambda: [("content", "Hello!")])
     finish: str = "stop"
+    stop_reason: str | int | None = None
     finish_error: Exception | None = None
     error: Exception | None = None
     requests: list[GenerationRequest] = field(default_factory=list)
@@ -53,6 +54,7 @@ class ScriptedEngine:
                 request.request_id,
                 [],
                 finish_reason=self.finish,
+                stop_reason=self.stop_reason,
                 error=self.finish_error,
                 usage=Usage(len(request.prompt_ids), len(self.script), reasoning_tokens, 0),
                 timings=Timings(0.0, 0.01, 0.01, 0.02, 0.03),

@@ -196,6 +196,20 @@ def test_stop_reasons(make_client, engine, finish, stop_reason):
     assert reply["stop_reason"] == stop_reason
 
 
+def test_a_stop_sequence_is_reported_as_one(make_client, engine):
+    """A reply ended by one of `stop_sequences` says so and names it, in the message and in the
+    stream's message_delta; one ended by a stop token is an end_turn."""
+    engine.stop_reason = "add"
+    reply = make_client().post("/v1/messages", json=body(stop_sequences=["add"])).json()
+    assert reply["stop_reason"] == "stop_sequence" and reply["stop_sequence"] == "add"
+    response = make_client().post("/v1/messages", json=body(stop_sequences=["add"], stream=True))
+    deltas = [data for kind, data in typed_events(response.text) if kind == "message_delta"]
+    assert deltas[-1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "add"}
+    engine.stop_reason = 151645  # the end-of-turn token
+    reply = make_client().post("/v1/messages", json=body()).json()
+    assert reply["stop_reason"] == "end_turn" and reply["stop_sequence"] is None
+
+
 def test_empty_output_gives_one_empty_text_block(make_client, engine):
     engine.script = []
     reply = make_client().post("/v1/messages", json=body()).json()

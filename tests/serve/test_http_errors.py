@@ -102,6 +102,36 @@ def test_context_overflow_is_400_with_both_counts(make_client):
     assert re_numbers(error["message"]) >= {8}
 
 
+def test_context_overflow_names_the_prompt_field_of_each_protocol(make_client):
+    """A prompt that fills the window: the error names the field that holds it (`input` for
+    Responses) and says no token fits, not a limit the request did not ask for."""
+    client = make_client(max_context=8)
+    chat = openai_error(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 500}), 400)
+    responses = openai_error(
+        client.post("/v1/responses", json={"model": MODEL_ID, "input": "Hi"}), 400
+    )
+    assert chat["param"] == "messages" and responses["param"] == "input"
+    for error in (chat, responses):
+        assert error["code"] == "context_length_exceeded"
+        assert "no room" in error["message"] and "500" not in error["message"]
+
+
+def test_an_out_of_range_sampling_value_names_its_field():
+    """The engine's check of a request names the field at fault, and the HTTP error carries
+    it as `param`: a token id outside the vocabulary in logit_bias or in the stop token ids."""
+    from ninfer.engine.request import SamplingParams
+    from ninfer.errors import InvalidRequestError
+
+    for params, field in (
+        (SamplingParams(logit_bias={99999: 1.0}), "logit_bias"),
+        (SamplingParams(stop_token_ids=(99999,)), "stop_token_ids"),
+        (SamplingParams(top_p=2.0), "top_p"),
+    ):
+        with pytest.raises(InvalidRequestError) as raised:
+            params.validate(vocab_size=1000)
+        assert to_api_error(raised.value).param == field
+
+
 def re_numbers(text: str) -> set[int]:
     return {int(n) for n in re.findall(r"\d+", text)}
 
