@@ -18,6 +18,7 @@ from ninfer.serve.request import (
     ModelInfo,
     Tool,
     check_tool_name,
+    check_unique_tools,
     get_bool,
     get_int,
     get_str,
@@ -260,7 +261,7 @@ def _parse_tools(value: Any) -> list[Tool]:
             )
         name = check_tool_name(item.get("name"), ANTHROPIC_TOOL_NAME_MAX, f"{param}.name")
         tools.append(Tool(name, get_str(item, "description"), schema, strict=False))
-    return tools
+    return check_unique_tools(tools)
 
 
 def _parse_tool_choice(value: Any, tools: list[Tool]) -> tuple[str, str | None]:

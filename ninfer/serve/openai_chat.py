@@ -20,6 +20,7 @@ from ninfer.serve.request import (
     Tool,
     check_model,
     check_tool_name,
+    check_unique_tools,
     get_bool,
     get_int,
     get_str,
@@ -170,7 +171,7 @@ def _parse_tools(value: Any) -> list[Tool]:
             raise invalid(f"'{param}.function.parameters' must be an object", param=param)
         strict = bool(get_bool(function, "strict"))
         tools.append(Tool(name, description, parameters, strict))
-    return tools
+    return check_unique_tools(tools)
 
 
 def _parse_tool_choice(value: Any, tools: list[Tool]) -> tuple[str, str | None]:

@@ -19,7 +19,7 @@ from ninfer.chat.template import ChatTemplate, ChatTemplateOptionError
 from ninfer.chat.tool_calls import ANTHROPIC_NAME_LIMIT, OPENAI_NAME_LIMIT, ToolCall
 from ninfer.serve.errors import invalid, model_not_found
 
-TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 OPENAI_TOOL_NAME_MAX = OPENAI_NAME_LIMIT
 ANTHROPIC_TOOL_NAME_MAX = ANTHROPIC_NAME_LIMIT
 CHAT_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -225,14 +225,25 @@ def parse_json_object_text(text: Any, param: str) -> dict:
 
 
 def check_tool_name(name: Any, limit: int, param: str) -> str:
+    """A tool's name: letters, digits, '_' and '-', at most `limit` of them (both APIs' rule;
+    a name with other characters could not be read back out of the model's calls)."""
     if not isinstance(name, str) or not name:
         raise invalid("tool name must be a non-empty string", param=param)
-    if limit == OPENAI_TOOL_NAME_MAX:
-        if not TOOL_NAME_RE.match(name):
-            raise invalid(f"tool name '{name[:80]}' must match [A-Za-z0-9_-]{{1,64}}", param=param)
-    elif len(name) > limit:
+    if len(name) > limit:
         raise invalid(f"tool name is longer than {limit} characters", param=param)
+    if not TOOL_NAME_RE.match(name):
+        raise invalid(f"tool name '{name[:80]}' must match [A-Za-z0-9_-]{{1,{limit}}}", param=param)
     return name
+
+
+def check_unique_tools(tools: list[Tool], param: str = "tools") -> list[Tool]:
+    """The tools, each name once: a call names its tool, so two of one name are ambiguous."""
+    seen: set[str] = set()
+    for tool in tools:
+        if tool.name in seen:
+            raise invalid(f"tool name '{tool.name}' is given twice", param=param)
+        seen.add(tool.name)
+    return tools
 
 
 def sampling_from(body: dict, *, top_k: bool = True, min_p: bool = True) -> SamplingFields:

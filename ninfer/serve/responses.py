@@ -31,6 +31,7 @@ from ninfer.serve.request import (
     Tool,
     check_model,
     check_tool_name,
+    check_unique_tools,
     get_bool,
     get_int,
     get_number,
@@ -336,7 +337,7 @@ def _parse_tools(value: Any) -> tuple[list[Tool], list[dict]]:
                 "strict": False,
             }
         )
-    return tools, wire
+    return check_unique_tools(tools), wire
 
 
 # ---- input Items -------------------------------------------------------------------------

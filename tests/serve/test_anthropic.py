@@ -129,6 +129,15 @@ def test_tool_names_up_to_128_characters_pass(info):
     assert rejection(info, tools=[{**TOOL, "name": "a" * 129}]).status == 400
 
 
+def test_tool_names_are_letters_digits_underscores_and_dashes_and_unique(info):
+    """A name with a space could not be read back out of the model's call, and two tools of
+    one name would make a call ambiguous: both are 400, naming the field."""
+    err = rejection(info, tools=[{**TOOL, "name": "get weather"}])
+    assert err.status == 400 and err.param == "tools[0].name"
+    err = rejection(info, tools=[TOOL, {**TOOL, "description": "again"}])
+    assert err.status == 400 and "twice" in err.message and err.param == "tools"
+
+
 def test_server_tools_are_rejected(info):
     err = rejection(info, tools=[{"type": "web_search_20250305", "name": "web_search"}])
     assert err.code == "tool_type_not_supported"

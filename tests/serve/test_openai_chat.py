@@ -30,6 +30,10 @@ def body(**fields):
     return {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], **fields}
 
 
+def test_tools_of_one_name_are_refused(info):
+    assert "twice" in rejection(info, tools=[TOOL, TOOL]).message
+
+
 def rejection(info, **fields) -> ApiError:
     with pytest.raises(ApiError) as caught:
         parse_chat_request(body(**fields), info)

@@ -27,6 +27,10 @@ def parse(info, store=None, **fields):
     return parse_responses_request(body(**fields), info, store or ResponseStore())
 
 
+def test_tools_of_one_name_are_refused(info):
+    assert "twice" in rejection(info, tools=[TOOL, TOOL]).message
+
+
 def rejection(info, **fields) -> ApiError:
     with pytest.raises(ApiError) as caught:
         parse(info, **fields)
