@@ -132,20 +132,25 @@ class ChatFrontend:
         reasoning_effort: str | None = None,
         preserve_thinking: bool | None = None,
         add_generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> ChatPrompt:
         """Checks the reasoning options against the template (typed `ChatTemplateOptionError`),
         renders and tokenizes. Tool-call arguments given as JSON strings are passed to the
-        template as objects."""
+        template as objects. `continue_final`: the last message is an assistant turn the reply
+        continues (a prefill): the prompt ends right after its text, with no end of turn and
+        no new turn."""
         template = self.template(tools)
         options = template.resolve_reasoning(enable_thinking, reasoning_effort)
         text = template.render(
             tool_arguments_as_objects(messages),
             tools=tools or None,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final,
             enable_thinking=options.enable_thinking,
             reasoning_effort=options.reasoning_effort,
             preserve_thinking=preserve_thinking,
         )
+        if continue_final:
+            text = _up_to_final_text(text, messages[-1])
         starts_in_reasoning = prompt_ends_in_reasoning(text)
         thinking = options.enable_thinking
         if thinking is None:
@@ -178,3 +183,16 @@ class ChatFrontend:
 
     def sampling_preset(self, thinking: bool) -> SamplingFields:
         return sampling_preset(self.generation_config, thinking)
+
+
+def _up_to_final_text(text: str, final: dict[str, Any]) -> str:
+    """The rendered conversation cut right after the final assistant message's text, where the
+    template put it last (templates may strip surrounding whitespace)."""
+    content = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("only a final assistant message with text can be continued")
+    for wanted in (content, content.rstrip(), content.strip()):
+        at = text.rfind(wanted)
+        if at >= 0:
+            return text[: at + len(wanted)]
+    raise ChatTemplateError("the template does not show the final assistant message's text")

@@ -82,6 +82,19 @@ def parse_messages_request(body: Any, info: ModelInfo) -> ChatRequest:
         reasoning_effort=effort,
         preserve_thinking=info.preserve_thinking_default if preserve is None else preserve,
         tool_name_max=ANTHROPIC_TOOL_NAME_MAX,
+        continue_final=_is_prefill(messages),
+    )
+
+
+def _is_prefill(messages: list[Message]) -> bool:
+    """Whether the conversation ends with assistant text the reply continues, as Anthropic's
+    API does with such a last turn (a prefill)."""
+    last = messages[-1] if messages else None
+    return (
+        last is not None
+        and last.role == "assistant"
+        and not last.tool_calls
+        and bool(last.content.strip())
     )
 
 

@@ -85,6 +85,8 @@ class ChatRequest:
     reasoning_effort: str | None = None
     preserve_thinking: bool = False
     tool_name_max: int = OPENAI_TOOL_NAME_MAX
+    # the last message is an assistant turn the reply continues (Anthropic's prefill)
+    continue_final: bool = False
 
     @property
     def tools_active(self) -> bool:

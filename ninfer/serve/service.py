@@ -69,6 +69,7 @@ class GenerationService:
                 enable_thinking=request.enable_thinking,
                 reasoning_effort=request.reasoning_effort,
                 preserve_thinking=request.preserve_thinking,
+                continue_final=request.continue_final,
             )
         except ChatTemplateOptionError as exc:
             raise invalid(str(exc), exc.code, exc.param) from None

@@ -96,6 +96,24 @@ def test_prompt_ids_equal_transformers(case, frontend, hf_tokenizer):
     assert prompt.token_ids == expected
 
 
+@pytest.mark.parametrize("options", [{}, {"enable_thinking": False}], ids=["thinking", "off"])
+def test_a_continued_final_assistant_turn_equals_transformers(options, frontend, hf_tokenizer):
+    """`continue_final`: the prompt ends after the final assistant message's text, as
+    transformers' `continue_final_message` renders it; anything else there is refused."""
+    messages = [*USER_ONLY, {"role": "assistant", "content": "The answer is "}]
+    prompt = frontend.render(messages, continue_final=True, **options)
+    expected = hf_tokenizer.apply_chat_template(
+        messages,
+        chat_template=frontend.template().source,
+        continue_final_message=True,
+        tokenize=False,
+        **options,
+    )
+    assert prompt.text == expected and not prompt.starts_in_reasoning
+    with pytest.raises(ChatTemplateError, match="final assistant message"):
+        frontend.render(USER_ONLY, continue_final=True)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"reasoning_effort": "low"}, {"reasoning_effort": "medium"}, {"enable_thinking": False}],

@@ -297,3 +297,23 @@ def test_count_tokens_returns_input_tokens_equal_to_usage(make_client):
     )
     reply = client.post("/v1/messages", json=body())
     assert counted.json() == {"input_tokens": reply.json()["usage"]["input_tokens"]}
+
+
+def test_a_final_assistant_turn_with_text_is_continued(make_client, engine, frontend):
+    """Anthropic's prefill: a conversation ending with assistant text gives a prompt that ends
+    right after that text (no end of turn, no new turn), so the reply continues it; one ending
+    with a user turn, or with a tool call, opens a new assistant turn as before."""
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    reply = make_client().post("/v1/messages", json=body(messages=prefill)).json()
+    assert reply["type"] == "message"
+    assert frontend.tokenizer.decode(engine.requests[-1].prompt_ids).endswith("The answer is")
+    continued = frontend.render(prefill, continue_final=True).text
+    assert continued.endswith("The answer is") and continued.count("<|im_end|>") == 1  # the user's
+    closed = frontend.render(prefill).text  # without: the turn closed and a new one opened
+    assert closed.count("<|im_end|>") == 2 and not closed.endswith("The answer is")
+    info = model_info(frontend)
+    assert parse_messages_request(body(messages=prefill), info).continue_final
+    assert not parse_messages_request(body(), info).continue_final
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
+    calling = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [call]}]
+    assert not parse_messages_request(body(messages=calling, tools=[TOOL]), info).continue_final
