@@ -141,6 +141,8 @@ class ChatFrontend:
         no new turn."""
         template = self.template(tools)
         options = template.resolve_reasoning(enable_thinking, reasoning_effort)
+        if continue_final:
+            messages = _marked_final(messages)
         text = template.render(
             tool_arguments_as_objects(messages),
             tools=tools or None,
@@ -150,10 +152,12 @@ class ChatFrontend:
             preserve_thinking=preserve_thinking,
         )
         if continue_final:
-            text = _up_to_final_text(text, messages[-1])
+            text = _up_to_mark(text)
         starts_in_reasoning = prompt_ends_in_reasoning(text)
         thinking = options.enable_thinking
-        if thinking is None:
+        if continue_final:  # the reply goes on from the text: it thinks only inside a <think>
+            thinking = starts_in_reasoning
+        elif thinking is None:
             thinking = starts_in_reasoning or template.capabilities.thinking
         return ChatPrompt(
             text=text,
@@ -185,14 +189,28 @@ class ChatFrontend:
         return sampling_preset(self.generation_config, thinking)
 
 
-def _up_to_final_text(text: str, final: dict[str, Any]) -> str:
-    """The rendered conversation cut right after the final assistant message's text, where the
-    template put it last (templates may strip surrounding whitespace)."""
+# Appended to the final message's text to find where the template put its end (the marker
+# transformers' `continue_final_message` uses: the same prompt wherever a template moves or
+# trims the text).
+FINAL_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _marked_final(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with FINAL_MARK after the final assistant message's text."""
+    final = messages[-1] if messages else {}
     content = final.get("content")
     if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
         raise ChatTemplateError("only a final assistant message with text can be continued")
-    for wanted in (content, content.rstrip(), content.strip()):
-        at = text.rfind(wanted)
-        if at >= 0:
-            return text[: at + len(wanted)]
-    raise ChatTemplateError("the template does not show the final assistant message's text")
+    return [*messages[:-1], {**final, "content": content + FINAL_MARK}]
+
+
+def _up_to_mark(text: str) -> str:
+    """The rendered conversation cut where FINAL_MARK stands last; where the template trimmed
+    the text's trailing whitespace (the mark's own space gone too), cut before that as well."""
+    mark = FINAL_MARK.strip()
+    at = text.rfind(mark)
+    if at < 0:
+        raise ChatTemplateError("the template does not show the final assistant message's text")
+    if text.startswith(FINAL_MARK, at):
+        return text[:at]
+    return text[:at].rstrip()

@@ -96,11 +96,25 @@ def test_prompt_ids_equal_transformers(case, frontend, hf_tokenizer):
     assert prompt.token_ids == expected
 
 
+PREFILLS = {
+    "words": (USER_ONLY, "The answer is "),
+    "table": (USER_ONLY, "|"),  # also a character of the end-of-turn token's text
+    "quote": (USER_ONLY, ">"),
+    "split by the template": ([{"role": "user", "content": "Echo x</think>Ok"}], "x</think>Ok"),
+}
+
+
 @pytest.mark.parametrize("options", [{}, {"enable_thinking": False}], ids=["thinking", "off"])
-def test_a_continued_final_assistant_turn_equals_transformers(options, frontend, hf_tokenizer):
+@pytest.mark.parametrize("prefill", PREFILLS)
+def test_a_continued_final_assistant_turn_equals_transformers(
+    prefill, options, frontend, hf_tokenizer
+):
     """`continue_final`: the prompt ends after the final assistant message's text, as
-    transformers' `continue_final_message` renders it; anything else there is refused."""
-    messages = [*USER_ONLY, {"role": "assistant", "content": "The answer is "}]
+    transformers' `continue_final_message` renders it, also where the text occurs earlier, is
+    part of the end-of-turn token's text, or is split by the template; a conversation ending
+    otherwise is refused."""
+    turns, text = PREFILLS[prefill]
+    messages = [*turns, {"role": "assistant", "content": text}]
     prompt = frontend.render(messages, continue_final=True, **options)
     expected = hf_tokenizer.apply_chat_template(
         messages,
@@ -110,8 +124,18 @@ def test_a_continued_final_assistant_turn_equals_transformers(options, frontend,
         **options,
     )
     assert prompt.text == expected and not prompt.starts_in_reasoning
+    assert not prompt.enable_thinking  # the reply continues the answer: no thinking preset
     with pytest.raises(ChatTemplateError, match="final assistant message"):
         frontend.render(USER_ONLY, continue_final=True)
+
+
+def test_a_continued_turn_whose_text_the_template_moves_ends_after_what_it_shows(frontend):
+    """Text the template splits into reasoning and an answer (which transformers refuses to
+    continue, the whole text being nowhere in its render) is continued after the answer part,
+    the reasoning closed before it."""
+    messages = [*USER_ONLY, {"role": "assistant", "content": "x</think>\n\nAnswer:"}]
+    prompt = frontend.render(messages, continue_final=True)
+    assert prompt.text.endswith("</think>\n\nAnswer:") and not prompt.starts_in_reasoning
 
 
 @pytest.mark.parametrize(

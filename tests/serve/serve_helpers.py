@@ -19,8 +19,8 @@ EFFORTS = ("low", "medium", "xhigh")
 @dataclass
 class ScriptedEngine:
     """Answers every request with `script`: (channel, text) pieces, one token each, then
-    `finish` (with `stop_reason`, the stop string or token id that ended it, and `finish_error`,
-    as the engine reports a request that failed after submit). `error` is raised on submit; `requests` and `aborted` record what happened."""
+    `finish` (with `stop_reason`, the stop string or token id that ended it, and
+    `finish_error`, as the engine reports a request that failed after submit). `error` is raised on submit; `requests` and `aborted` record what happened."""
 
     script: list[tuple[str, str]] = field(default_factory=lambda: [("content", "Hello!")])
     finish: str = "stop"
