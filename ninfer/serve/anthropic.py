@@ -192,8 +192,8 @@ def _user_turn(content: Any, param: str) -> list[Message]:
     for i, block in enumerate(content):
         p = f"{param}[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+        if kind == "text":
+            texts.append(_string_field(block, "text", p))
         elif kind == "tool_result":
             if texts:
                 out.append(Message("user", "\n".join(texts)))
@@ -221,6 +221,14 @@ def _user_turn(content: Any, param: str) -> list[Message]:
     return out
 
 
+def _string_field(block: dict, key: str, param: str) -> str:
+    """A block's string field `key` (a text block's text, a thinking block's thinking)."""
+    value = block.get(key)
+    if not isinstance(value, str):
+        raise invalid(f"'{param}.{key}' must be a string", param=f"{param}.{key}")
+    return value
+
+
 def _assistant_turn(content: Any, param: str) -> Message:
     if isinstance(content, str):
         return Message("assistant", content)
@@ -232,10 +240,10 @@ def _assistant_turn(content: Any, param: str) -> Message:
     for i, block in enumerate(content):
         p = f"{param}[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "thinking" and isinstance(block.get("thinking"), str):
-            reasoning.append(block["thinking"])
+        if kind == "text":
+            texts.append(_string_field(block, "text", p))
+        elif kind == "thinking":
+            reasoning.append(_string_field(block, "thinking", p))
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use":

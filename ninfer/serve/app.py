@@ -350,7 +350,7 @@ def create_app(
             _traced_frames(trace, frames), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 

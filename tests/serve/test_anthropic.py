@@ -124,6 +124,14 @@ def test_input_schema_maps_to_parameters_and_any_means_required(info):
     assert request.tool_choice == "required"
 
 
+def test_a_text_or_thinking_block_without_its_string_names_the_field(info):
+    err = rejection(info, messages=[{"role": "user", "content": [{"type": "text"}]}])
+    assert err.param == "messages[0].content[0].text" and "must be a string" in err.message
+    turn = {"role": "assistant", "content": [{"type": "thinking", "thinking": 3}]}
+    err = rejection(info, messages=[{"role": "user", "content": "Hi"}, turn])
+    assert err.param == "messages[1].content[0].thinking"
+
+
 def test_tool_names_up_to_128_characters_pass(info):
     parse_messages_request(body(tools=[{**TOOL, "name": "a" * 128}]), info)
     assert rejection(info, tools=[{**TOOL, "name": "a" * 129}]).status == 400

@@ -208,6 +208,7 @@ def test_unknown_routes_are_shaped_404s(make_client):
 def test_api_key_as_bearer_or_x_api_key_and_health_is_open(make_client):
     client = make_client(api_key="s3cret")
     assert client.get("/health").json() == {"status": "ok"}
+    assert client.head("/health").status_code == 200  # as load balancers probe it
     error = openai_error(client.get("/v1/models"), 401)
     assert error["code"] == "invalid_api_key"
     assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
