@@ -101,7 +101,18 @@ class ChatRequest:
         return [t.to_template() for t in self.tools]
 
     def template_messages(self) -> list[dict]:
-        return [m.to_template() for m in self.messages]
+        """The messages the template renders. System turns that open the conversation are
+        joined into one (blank lines between): Responses' `instructions` before a system or
+        developer item, or two leading system messages, are then one system turn, which every
+        template takes (the Qwen3.5 templates refuse a system turn that is not first)."""
+        leading = 0
+        while leading < len(self.messages) and self.messages[leading].role == "system":
+            leading += 1
+        if leading < 2:
+            return [m.to_template() for m in self.messages]
+        texts = [m.content for m in self.messages[:leading] if m.content]
+        joined = Message("system", "\n\n".join(texts))
+        return [joined.to_template(), *(m.to_template() for m in self.messages[leading:])]
 
 
 @dataclass(slots=True)

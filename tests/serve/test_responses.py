@@ -27,6 +27,23 @@ def parse(info, store=None, **fields):
     return parse_responses_request(body(**fields), info, store or ResponseStore())
 
 
+def test_instructions_and_leading_system_items_render_as_one_system_turn(info):
+    """`instructions` and developer or system items before the first user turn are one system
+    turn for the template (the Qwen3.5 templates take no second one); later ones keep their
+    place."""
+    items = [
+        {"role": "developer", "content": "Work in /repo."},
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "Hi"},
+        {"role": "developer", "content": "Later note."},
+    ]
+    request = parse(info, instructions="Be brief.", input=items)
+    rendered = request.chat.template_messages()
+    assert [m["role"] for m in rendered] == ["system", "user", "system"]
+    assert rendered[0]["content"] == "Be brief.\n\nWork in /repo."
+    assert rendered[2]["content"] == "Later note."
+
+
 def test_tools_of_one_name_are_refused(info):
     assert "twice" in rejection(info, tools=[TOOL, TOOL]).message
 
