@@ -952,20 +952,24 @@ def _int_linear(
     return out
 
 
-def _unit_stride_planes(x: torch.Tensor, weight: EncodedTensor, x_width: int | None = None):
-    """(bits, group, codes, scales) of a SUPPORTED weight, checking that x is `x_width` wide,
-    by default the weight's K (the kernels would read a short x as zeros and ignore the rest
-    of a long one), and unit stride along K."""
+def _unit_stride_planes(
+    x: torch.Tensor,
+    weight: EncodedTensor,
+    x_width: int | None = None,
+    formats: dict[str, tuple[int, int]] = SUPPORTED,
+):
+    """(bits, group, codes, scales) of a weight in one of `formats`, checking that x is
+    `x_width` wide, by default the weight's K (the kernels would read a short x as zeros and
+    ignore the rest of a long one), and unit stride along K in x and every plane."""
     width = weight.shape[-1] if x_width is None else x_width
     if x.shape[-1] != width:
         raise ValueError(
             f"x has {x.shape[-1]} columns, the weight {tuple(weight.shape)} takes {width}"
         )
-    bits, group = SUPPORTED[weight.format]
-    codes, scales = weight.planes["codes"], weight.planes["scales"]
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scales.stride(-1) != 1:
+    bits, group = formats[weight.format]
+    if x.stride(-1) != 1 or any(plane.stride(-1) != 1 for plane in weight.planes.values()):
         raise ValueError("groupwise GEMV needs unit stride along K")
-    return bits, group, codes, scales
+    return bits, group, weight.planes["codes"], weight.planes["scales"]
 
 
 def grouped_groupwise_linear(
@@ -1038,16 +1042,9 @@ def integer_linear_conv(
 def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """`groupwise_linear` through the integer kernel whatever the rows (one x row per program
     column); it also takes q6_g64 weights (`ONE_ROW_FORMATS`), reading their two planes."""
-    if weight.format == "q6_g64_fp16":
-        k = weight.shape[-1]
-        if x.shape[-1] != k or x.stride(-1) != 1:
-            raise ValueError(f"x {tuple(x.shape)} does not fit a q6 weight {tuple(weight.shape)}")
-        codes, high, scales = (weight.planes[name] for name in ("codes", "high", "scales"))
-        if any(plane.stride(-1) != 1 for plane in (codes, high, scales)):
-            raise ValueError("groupwise GEMV needs unit stride along K")
-        return _int_linear(x, codes, scales, weight.shape[0], 6, 64, high=high)
-    bits, group, codes, scales = _unit_stride_planes(x, weight)
-    return _int_linear(x, codes, scales, weight.shape[0], bits, group)
+    bits, group, codes, scales = _unit_stride_planes(x, weight, formats=ONE_ROW_FORMATS)
+    high = weight.planes.get("high")  # q6's two high bits of each value
+    return _int_linear(x, codes, scales, weight.shape[0], bits, group, high=high)
 
 
 def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
