@@ -8,7 +8,8 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   (gated norm, conv, SwiGLU) that folding into a neighbour would save (Measurement 9); and
   at eight sequences, against the rate of copy (states rotated beyond the L2);
 - at the 35B-A3B shapes, one token: the fused router stage by stage (the kernel with its dot
-  products, arrival counter or routing left out), and its rows per program
+  products, arrival counter or routing left out), with the norm before it inside or apart,
+  and its rows per program
   (`moe_router_triton`) and the integer GEMV's rows per program and words per step at the
   expert products (nine pairs, the shared expert stacked) and the dense products;
 - at the 27B shapes, one token: the same integer GEMV settings at every product of a layer
@@ -288,6 +289,53 @@ def router_stages() -> None:
         print(f"{label:48} {us:7.2f}")
 
 
+def norm_in_router() -> None:
+    """35B-A3B's norm before the MoE block and its fused router at one token (the experts' q4
+    codes written beside the normed row): the two kernels apart against the router's kernel
+    with the norm inside (`moe_router_triton.moe_norm_router_route`), and each alone."""
+    hidden, experts, top_k = 2048, 256, 8
+    x, residual = (torch.randn(1, hidden, device=DEVICE, dtype=BF16) for _ in range(2))
+    norm_weight = torch.randn(hidden, device=DEVICE, dtype=BF16) * 0.1
+    routers = [
+        torch.randn(experts + 1, hidden, device=DEVICE, dtype=BF16) * 0.02 for _ in range(64)
+    ]
+    split = SplitRequest.for_format("q4_g64_fp16", 64)
+    normed, _ = rms_norm_triton.rms_norm(x, norm_weight, 1e-6, residual, split)
+    route = (experts, top_k, 0, experts, True)
+
+    def norm(w):
+        return rms_norm_triton.rms_norm(x, norm_weight, 1e-6, residual, split)
+
+    def router(w):
+        return moe_router_triton.moe_router_route(normed, w, *route)
+
+    def apart(w):
+        norm(w)
+        return router(w)
+
+    def inside(w):
+        return moe_router_triton.moe_norm_router_route(
+            x, residual, norm_weight, 1e-6, w, *route, split
+        )
+
+    print(f"{'35B-A3B norm and router, one token':48} {'us':>7}")
+    for label, call in (
+        ("norm alone", norm),
+        ("router alone", router),
+        ("norm, then router (two kernels)", apart),
+    ):
+        us = median_us(rotating([partial(call, w) for w in routers]))
+        print(f"{label:48} {us:7.2f}")
+    shipped = moe_router_triton.NORM_PART_GROUPS
+    try:
+        for groups in (16, 2):
+            moe_router_triton.NORM_PART_GROUPS = groups
+            us = median_us(rotating([partial(inside, w) for w in routers]))
+            print(f"{f'norm inside (one kernel), {groups} groups a part':48} {us:7.2f}")
+    finally:
+        moe_router_triton.NORM_PART_GROUPS = shipped
+
+
 def moe_decode_settings() -> None:
     """35B-A3B (hidden 2048, 256 experts of 512, the shared expert stacked as a 257th) at one
     token: the fused router and routing by rows per program, then the integer GEMV by rows per
@@ -461,6 +509,7 @@ def main() -> None:
     gdn_decode_eight_sequences()
     gdn_state_traffic()
     router_stages()
+    norm_in_router()
     moe_decode_settings()
     dense_decode_settings()
     if not args.skip_int4pack:

@@ -717,8 +717,17 @@ def check_moe_router_route(
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     weight = (torch.randn(rows, hidden, device=device) * hidden**-0.5).to(dtype)
     routes, logits = module.moe_router_route(x, weight, num_experts, top_k, first, count, shared)
+    check_router_outputs(routes, logits, x, weight, route, num_experts, top_k, held, shared)
+
+
+def check_router_outputs(
+    routes, logits, x, weight, route, num_experts: int, top_k: int, held, shared: bool
+) -> None:
+    """The comparisons of `check_moe_router_route`, of a router's outputs on input rows x."""
+    first, count = held
+    dtype, rows = x.dtype, weight.shape[0]
     reference_logits = torch.nn.functional.linear(x, weight)
-    assert logits.dtype == dtype and logits.shape == (tokens, rows)
+    assert logits.dtype == dtype and logits.shape == (x.shape[0], rows)
     assert (
         (logits.float() - reference_logits.float()).abs() <= one_ulp(reference_logits, dtype)
     ).all()
@@ -739,3 +748,39 @@ def check_moe_router_route(
         expected_pair_lists(routes.experts, first, count, shared),
     ):
         assert torch.equal(getattr(routes, name), expected), name
+
+
+def check_moe_norm_router_route(
+    module,
+    norm_module,
+    route,
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    held: tuple[int, int],
+    shared: bool,
+    dtype: torch.dtype,
+    device,
+) -> None:
+    """`module.moe_norm_router_route` (the norm before a MoE block inside the fused router)
+    against `norm_module.rms_norm` (the norm kernel), then the router's comparisons
+    (`check_router_outputs`) on the rows it wrote:
+    - the residual sum exactly the norm kernel's; the normed rows within one rounding of its
+      (on the GPU the fp32 sum of squares is added in another order), nearly all equal;
+    - the logits within one rounding of F.linear's on the normed rows, the routes exactly
+      `route`'s of those logits, the experts of F.linear's away from near-ties."""
+    x = (torch.randn(tokens, hidden, device=device) * 2).to(dtype)
+    residual = torch.randn(tokens, hidden, device=device).to(dtype)
+    norm_weight = (torch.randn(hidden, device=device) * 0.1).to(dtype)
+    weight = (torch.randn(num_experts + 1, hidden, device=device) * hidden**-0.5).to(dtype)
+    held_and_shared = (*held, shared)
+    routes, logits, normed, total = module.moe_norm_router_route(
+        x, residual, norm_weight, 1e-6, weight, num_experts, top_k, *held_and_shared
+    )
+    ref_normed, ref_total = norm_module.rms_norm(x, norm_weight, 1e-6, residual)
+    assert total.dtype == normed.dtype == dtype and normed.shape == total.shape == x.shape
+    assert torch.equal(total, ref_total)
+    assert ((normed.float() - ref_normed.float()).abs() <= one_ulp(ref_normed, dtype)).all()
+    assert (normed == ref_normed).float().mean() > 0.99
+    check_router_outputs(routes, logits, normed, weight, route, num_experts, top_k, held, shared)

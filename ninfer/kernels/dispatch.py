@@ -458,6 +458,39 @@ def moe_router_route(
     return module.moe_router_route(x, router_weight, num_experts, top_k, first, count, shared)
 
 
+def moe_norm_router_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    first: int,
+    count: int,
+    shared: bool = False,
+    split: SplitRequest | None = None,
+) -> tuple[Routes, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The norm before a MoE block and its router (`moe_router.moe_norm_router_route`): one
+    Triton kernel on CUDA under `moe_router_route`'s conditions, with the norm's input and
+    residual in the router's dtype; `split` as `rms_norm`'s."""
+    tensors = (x, residual, norm_weight, router_weight)
+    if (
+        use_triton(*tensors)
+        and x.dtype in _HALF
+        and residual.dtype == router_weight.dtype == x.dtype
+        and all(t.stride(-1) == 1 for t in tensors)
+    ):
+        from ninfer.kernels import moe_router_triton
+
+        return moe_router_triton.moe_norm_router_route(
+            *tensors[:3], eps, router_weight, num_experts, top_k, first, count, shared, split
+        )
+    return router_reference.moe_norm_router_route(
+        *tensors[:3], eps, router_weight, num_experts, top_k, first, count, shared
+    )
+
+
 def moe_combine(
     choices: torch.Tensor,
     weights: torch.Tensor,

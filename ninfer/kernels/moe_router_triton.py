@@ -11,7 +11,13 @@ barrier and atomic, are the split-K GEMV's (`groupwise_gemv_triton.tile_counters
 cannot be had (first asked for inside a graph capture) the product and the routing run as two
 launches. The fp32 summation order is not cuBLAS's, so a logit can differ from the unfused
 path's in its last bit, and the chosen experts then differ at near-ties only.
-Reference: `moe_router.moe_router_route` (same signature)."""
+
+`moe_norm_router_route` also runs the RMSNorm(+residual) before the MoE block in the same
+kernel: one launch fewer per MoE layer (the 35B-A3B C=1 decode step 1.84 -> 1.79-1.80 ms on the
+H200, docs/performance.md, Measurement 17). Every program norms its token's row itself for its
+dots, rounded as the norm kernel rounds it, and the first programs write the norm's outputs.
+References: `moe_router.moe_router_route`, `moe_router.moe_norm_router_route` (same
+signatures, but for the norm's `split`)."""
 
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ from ninfer.kernels.moe_router import check_router
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_route, route_token
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+from ninfer.kernels.rms_norm_triton import norm_part, rms_norm
 from ninfer.kernels.triton_support import next_power_of_2
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 # Router rows per program: one spreads 35B-A3B's 257 rows (256 experts and the shared gate)
 # over 257 programs per token, each reading 4 KiB of weight. On the H200 at one token the
@@ -36,6 +44,14 @@ from ninfer.kernels.triton_support import next_power_of_2
 # four unrolled steps.
 ROWS_PER_PROGRAM = 1
 BLOCK_K = 512
+# With the norm inside: groups of the normed row (and of its codes) each of the first programs
+# writes once it has counted. Its one warp writes them while the last program routes.
+NORM_PART_GROUPS = 16
+# Each program holds the whole row (one warp: the routing's): up to 4096 values compile for
+# sm_90 without spilling (168 registers; 96 at 35B-A3B's 2048). Wider rows take the norm
+# kernel, then the router.
+NORM_MAX_HIDDEN = 4096
+ALL_STAGES = (True, True, True)
 
 
 @triton.jit
@@ -55,6 +71,15 @@ def _moe_router_route_kernel(
     stride_w,
     first,
     count,
+    residual_ptr,
+    stride_residual,
+    norm_weight_ptr,
+    eps,
+    normed_ptr,
+    sum_ptr,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,18 +89,44 @@ def _moe_router_route_kernel(
     DOTS: tl.constexpr,
     COUNT: tl.constexpr,
     ROUTE: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """DOTS, COUNT, ROUTE: its three stages, all on but where `python bench/decode_variants.py`
-    times it with some left out (without COUNT, program 0 stands for the last to arrive)."""
+    times it with some left out (without COUNT, program 0 stands for the last to arrive).
+    NORM: x is the attention's output and the router's input is RMSNorm(x + residual), which
+    every program computes for its dots from the whole row (BLOCK_H wide, rounded as the norm
+    kernel rounds it); programs 0, 1, ... also write the norm's outputs, a part each
+    (`rms_norm_triton.norm_part`), once they have counted, so the routing does not wait for
+    them. DOTS applies without NORM only."""
     await_inputs(PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < num_rows
     logits_row = logits_ptr + token.to(tl.int64) * num_rows
-    if DOTS:
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-        x_row = x_ptr + token.to(tl.int64) * stride_x
+    x_row = x_ptr + token.to(tl.int64) * stride_x
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    if NORM:
+        # One pass over the row: the router row's load is issued with x's and the residual's,
+        # so its memory round trip overlaps their reads from L2 and the sum of squares (two
+        # passes, the norm first and then `_x_dot_rows`, took 8.8 us against 7.8 on the H200).
+        residual_row = residual_ptr + token.to(tl.int64) * stride_residual
+        cols = tl.arange(0, BLOCK_H)
+        live = cols < HIDDEN
+        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & live[None, :], other=0.0)
+        x = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+        residual = tl.load(residual_row + cols, mask=live, other=0.0).to(tl.float32)
+        total = (x + residual).to(sum_ptr.dtype.element_ty).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(total * total, axis=0) / HIDDEN + eps)  # as the norm kernel's
+        scale = 1.0 + tl.load(norm_weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        normed = (total * inv_rms * scale).to(normed_ptr.dtype.element_ty).to(tl.float32)
+        dots = tl.sum(w.to(tl.float32) * normed[None, :], axis=1)
+        tl.store(logits_row + rows, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
+    elif DOTS:
         dots = _x_dot_rows(x_row, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
         tl.store(logits_row + rows, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
     counter = counters_ptr + token
@@ -109,6 +160,26 @@ def _moe_router_route_kernel(
             )
         if COUNT:
             tl.atomic_xchg(counter, 0)
+    if NORM:
+        if tl.program_id(1) * SPLIT_BLOCK_G * SPLIT_GROUP < HIDDEN:
+            norm_part(
+                x_row,
+                residual_row,
+                norm_weight_ptr,
+                normed_ptr + token.to(tl.int64) * HIDDEN,
+                sum_ptr + token.to(tl.int64) * HIDDEN,
+                inv_rms,
+                tl.program_id(1),
+                HIDDEN,
+                token,
+                xq_ptr,
+                corr_ptr,
+                xscale_ptr,
+                True,
+                SPLIT_BITS,
+                SPLIT_GROUP,
+                SPLIT_BLOCK_G,
+            )
 
 
 def moe_router_route(
@@ -119,25 +190,101 @@ def moe_router_route(
     first: int,
     count: int,
     shared: bool = False,
-    stages: tuple[bool, bool, bool] = (True, True, True),
+    stages: tuple[bool, bool, bool] = ALL_STAGES,
 ) -> tuple[Routes, torch.Tensor]:
     """Same contract as `moe_router.moe_router_route`; x and router_weight of one dtype with
     unit stride along hidden. Meant for decode-sized T: each token re-reads the whole router.
     `stages` (the dots, the arrival counter, the routing) are for timing the kernel with some
     left out; the results are then not the routes."""
+    _check(x, router_weight, num_experts)
+    counters = tile_counters(x.device, x.shape[0])
+    if counters is None:  # none yet inside a graph capture: the product, then the routing
+        logits = F.linear(x, router_weight)
+        return moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared), logits
+    args = (num_experts, top_k, first, count, shared, stages)
+    return _launch(x, router_weight, counters, *args, x, {})
+
+
+def moe_norm_router_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    first: int,
+    count: int,
+    shared: bool = False,
+    split: SplitRequest | None = None,
+) -> tuple[Routes, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `moe_router.moe_norm_router_route`: the norm runs inside the router's
+    kernel (one launch for both), and the normed rows carry their integer-GEMV codes where
+    `split` asks for them, as the norm kernel's do. x, residual and router weight in one
+    dtype with unit stride along hidden; the norm weight contiguous, of any float dtype."""
+    _check(x, router_weight, num_experts)
+    tokens, hidden = x.shape
+    if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} is not x's {tuple(x.shape)} rows")
+    if norm_weight.shape != (hidden,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} is not one of {hidden} values")
+    counters = tile_counters(x.device, tokens)
+    if counters is None or hidden > NORM_MAX_HIDDEN:  # (none yet inside a graph capture)
+        normed, total = rms_norm(x, norm_weight, eps, residual, split)
+        return (
+            *moe_router_route(normed, router_weight, num_experts, top_k, first, count, shared),
+            normed,
+            total,
+        )
+    normed = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    total = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    buffers = producer_buffers(split, tokens, hidden, x.device)
+    split_args, split_constants = split_launch_args(split, buffers, normed)
+    # the first programs write a part each: as many groups a part as the router's rows need
+    groups, part_groups = triton.cdiv(hidden, split_constants["SPLIT_GROUP"]), NORM_PART_GROUPS
+    while triton.cdiv(groups, part_groups) > router_weight.shape[0]:
+        part_groups *= 2
+    split_constants["SPLIT_BLOCK_G"] = part_groups
+    norm = (residual, residual.stride(0), norm_weight, eps, normed, total, *split_args)
+    constants = {"NORM": True, "BLOCK_H": next_power_of_2(hidden), **split_constants}
+    args = (num_experts, top_k, first, count, shared, ALL_STAGES)
+    routes, logits = _launch(x, router_weight, counters, *args, norm, constants)
+    if buffers is not None:
+        attach(normed, split, buffers)
+    return routes, logits, normed, total
+
+
+def _check(x: torch.Tensor, router_weight: torch.Tensor, num_experts: int) -> None:
     check_router(x, router_weight, num_experts)
     if x.stride(1) != 1 or router_weight.stride(1) != 1:
         raise ValueError("the fused router needs unit stride along hidden")
     if router_weight.dtype != x.dtype:
         raise ValueError(f"router weight in {router_weight.dtype}, input in {x.dtype}")
+
+
+def _launch(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    counters: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    first: int,
+    count: int,
+    shared: bool,
+    stages: tuple[bool, bool, bool],
+    norm: tuple | torch.Tensor,
+    norm_constants: dict,
+) -> tuple[Routes, torch.Tensor]:
+    """The kernel over x's tokens; `norm`: the norm's arguments (residual ... split buffers),
+    or a tensor to stand for each where there is no norm (then NORM is off)."""
     tokens, hidden = x.shape
     num_rows = router_weight.shape[0]
-    counters = tile_counters(x.device, tokens)
-    if counters is None:  # none yet inside a graph capture: the product, then the routing
-        logits = F.linear(x, router_weight)
-        return moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared), logits
     logits = torch.empty(tokens, num_rows, dtype=x.dtype, device=x.device)
     routes = empty_routes(tokens, top_k, x.dtype, x.device, shared)
+    if isinstance(norm, torch.Tensor):
+        norm = (norm, 0, norm, 0.0, norm, norm, norm, norm, norm)
+        norm_constants = {"NORM": False, "BLOCK_H": 1, "SPLIT_BITS": 0, "SPLIT_GROUP": 1}
+        norm_constants["SPLIT_BLOCK_G"] = 1
     if tokens:
         _moe_router_route_kernel[(tokens, triton.cdiv(num_rows, ROWS_PER_PROGRAM))](
             x,
@@ -151,6 +298,7 @@ def moe_router_route(
             router_weight.stride(0),
             first,
             count,
+            *norm,
             HIDDEN=hidden,
             BLOCK_ROWS=ROWS_PER_PROGRAM,
             BLOCK_K=BLOCK_K,
@@ -160,6 +308,7 @@ def moe_router_route(
             DOTS=stages[0],
             COUNT=stages[1],
             ROUTE=stages[2],
+            **norm_constants,
             num_warps=ROUTE_WARPS,
             **pdl_options(x.device),
         )

@@ -67,25 +67,67 @@ def _rms_norm_kernel(
         y = x * inv_rms * (1.0 + weight)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        # this program's part of the row, SPLIT_BLOCK_G groups, as [groups, values]: its sum,
-        # output and integer-GEMV codes (x_split.py) from the same arithmetic, in registers
-        groups = tl.program_id(1) * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
-        part = groups[:, None] * SPLIT_GROUP + tl.arange(0, SPLIT_GROUP)[None, :]
-        part_mask = part < dim
-        xp = tl.load(x_row + part, mask=part_mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            rp = tl.load(residual_ptr + row * stride_residual + part, mask=part_mask, other=0.0)
-            total_part = (xp + rp.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
-            tl.store(sum_out_ptr + row * stride_sum + part, total_part, mask=part_mask)
-            xp = total_part.to(tl.float32)
-        weight = tl.load(weight_ptr + part, mask=part_mask, other=0.0).to(tl.float32)
-        y = (xp * inv_rms * (1.0 + weight)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_out + part, y, mask=part_mask)
+        norm_part(
+            x_row,
+            residual_ptr + row * stride_residual,
+            weight_ptr,
+            out_ptr + row * stride_out,
+            sum_out_ptr + row * stride_sum,
+            inv_rms,
+            tl.program_id(1),
+            dim,
+            row,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            HAS_RESIDUAL,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+            SPLIT_BLOCK_G,
+        )
+
+
+@triton.jit
+def norm_part(
+    x_row,
+    residual_row,
+    weight_ptr,
+    out_row,
+    sum_row,
+    inv_rms,
+    part_index,
+    dim,
+    m,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
+):
+    """Part `part_index` of a normed row (SPLIT_BLOCK_G groups of SPLIT_GROUP values, as
+    [groups, values]): its residual sum, output and, with SPLIT_BITS, its integer-GEMV codes
+    (x_split.py) as row m's, from the same arithmetic in registers. The norm kernel and the
+    fused MoE router (`moe_router_triton`) write a row's parts here, so both write alike."""
+    groups = part_index * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
+    part = groups[:, None] * SPLIT_GROUP + tl.arange(0, SPLIT_GROUP)[None, :]
+    part_mask = part < dim
+    xp = tl.load(x_row + part, mask=part_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        rp = tl.load(residual_row + part, mask=part_mask, other=0.0)
+        total_part = (xp + rp.to(tl.float32)).to(sum_row.dtype.element_ty)
+        tl.store(sum_row + part, total_part, mask=part_mask)
+        xp = total_part.to(tl.float32)
+    weight = tl.load(weight_ptr + part, mask=part_mask, other=0.0).to(tl.float32)
+    y = (xp * inv_rms * (1.0 + weight)).to(out_row.dtype.element_ty)
+    tl.store(out_row + part, y, mask=part_mask)
+    if SPLIT_BITS != 0:
         split_values(
             y.to(tl.float32),
             groups,
             dim // SPLIT_GROUP,
-            row,
+            m,
             xq_ptr,
             corr_ptr,
             xscale_ptr,

@@ -183,7 +183,12 @@ class DecoderLayer(nn.Module):
             mixed = self.self_attn(normed, cos, sin, ctx)
         else:
             mixed = self.linear_attn(normed, ctx)
-        normed, residual = self.post_attention_layernorm(self.shard.all_reduce(mixed), residual)
+        mixed = self.shard.all_reduce(mixed)
+        if isinstance(self.mlp, SparseMoE):
+            fused = self.mlp.norm_and_forward(mixed, residual, self.post_attention_layernorm)
+            if fused is not None:
+                return self.shard.all_reduce(fused[0]), fused[1]
+        normed, residual = self.post_attention_layernorm(mixed, residual)
         return self.shard.all_reduce(self.mlp(normed)), residual
 
 

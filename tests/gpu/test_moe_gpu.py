@@ -18,9 +18,11 @@ from ninfer.engine.engine import load_core
 from ninfer.kernels import moe_combine as combine_reference
 from ninfer.kernels import moe_router as router_reference
 from ninfer.kernels import moe_routing as routing_reference
+from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.layers import moe
 from ninfer.models.layers.linear import GroupwiseLinear
 from ninfer.models.layers.moe import GATHERED_MAX_TOKENS, Experts, GroupwiseExperts, SparseMoE
+from ninfer.models.layers.norms import RMSNorm
 from ninfer.quant import get_format
 
 pytestmark = [
@@ -251,21 +253,7 @@ def test_encoded_moe_block_decode_replays_from_a_cuda_graph(
     gives the eager result, which is within bf16 rounding of the same block with routing and
     output computed by the torch references."""
     torch.manual_seed(0)
-    q4 = get_format("q4_g64_fp16")
-    block = SparseMoE(HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, WIDTH).to("cuda")
-    for param in block.parameters():
-        torch.nn.init.normal_(param, std=HIDDEN**-0.5)
-    block.experts = GroupwiseExperts.from_stored(
-        range(NUM_EXPERTS), *stored_experts["q4_g64_fp16"], device="cuda"
-    )
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        weight = getattr(block.shared_expert, proj).weight.data
-        setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
-    block.shared_expert.fuse_projections()
-    block = block.to(BF16)
-    assert block.fuse_projections() == ["router"]
-    if stack_shared:
-        assert block.stack_shared_expert()
+    block = encoded_block(stored_experts, stack_shared)
     x = torch.randn(8, HIDDEN, device="cuda", dtype=BF16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -285,3 +273,49 @@ def test_encoded_moe_block_decode_replays_from_a_cuda_graph(
             references.setattr(moe, "moe_route", routing_reference.moe_route)
             references.setattr(moe, "moe_combine", combine_reference.moe_combine)
             assert relative_error(eager, block(x)) < 1e-2
+
+
+def encoded_block(stored_experts, stack_shared: bool) -> SparseMoE:
+    """A bf16 block with the router stacked, q4 experts and shared expert encoded, the shared
+    expert apart or stacked with the routed ones."""
+    q4 = get_format("q4_g64_fp16")
+    block = SparseMoE(HIDDEN, NUM_EXPERTS, TOP_K, WIDTH, WIDTH).to("cuda")
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=HIDDEN**-0.5)
+    block.experts = GroupwiseExperts.from_stored(
+        range(NUM_EXPERTS), *stored_experts["q4_g64_fp16"], device="cuda"
+    )
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        weight = getattr(block.shared_expert, proj).weight.data
+        setattr(block.shared_expert, proj, GroupwiseLinear(q4.encode(weight)))
+    block.shared_expert.fuse_projections()
+    block = block.to(BF16)
+    assert block.fuse_projections() == ["router"]
+    if stack_shared:
+        assert block.stack_shared_expert()
+    return block
+
+
+@pytest.mark.parametrize("stack_shared", [False, True], ids=["shared-apart", "shared-stacked"])
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_norm_inside_the_router_is_the_norm_then_the_block(
+    stored_experts, stack_shared, num_tokens
+):
+    """`SparseMoE.norm_and_forward` (the norm before the block inside the router's kernel, the
+    experts' codes written by it) against the norm kernel, then the block: the same residual
+    sum, the output within bf16 rounding (a normed value may differ in its last bit)."""
+    torch.manual_seed(num_tokens)
+    block = encoded_block(stored_experts, stack_shared)
+    norm = RMSNorm(HIDDEN, 1e-6).to("cuda", BF16)
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    norm.split_request = SplitRequest.for_format("q4_g64_fp16", GATHERED_MAX_TOKENS)
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=BF16) * 2
+    residual = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=BF16)
+    fused = block.norm_and_forward(x, residual, norm)
+    assert fused is not None
+    out, total = fused
+    normed, ref_total = norm(x, residual)
+    ref = block(normed)
+    assert torch.equal(total, ref_total)
+    assert out.dtype == BF16 and out.shape == x.shape
+    assert relative_error(out, ref) < 1e-2

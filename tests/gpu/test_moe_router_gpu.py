@@ -2,15 +2,22 @@
 router (256 experts, top 8, hidden 2048, the shared expert's gate stacked as row 256) in bf16,
 against F.linear (cuBLAS) and the routing kernel (`kernel_cases.check_moe_router_route`: the
 logits' summation orders differ, so the top-k is held equal away from near-ties), and taken
-inside a CUDA graph capture once a call outside it has allocated the counters."""
+inside a CUDA graph capture once a call outside it has allocated the counters. With the norm
+before the block inside it (`moe_norm_router_route`), against the norm kernel and the router
+on the rows it writes (`kernel_cases.check_moe_norm_router_route`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import check_moe_router_route
+from kernel_cases import check_moe_norm_router_route, check_moe_router_route
 
-from ninfer.kernels import groupwise_gemv_triton, moe_router_triton, moe_routing_triton
+from ninfer.kernels import (
+    groupwise_gemv_triton,
+    moe_router_triton,
+    moe_routing_triton,
+    rms_norm_triton,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,3 +101,24 @@ def test_without_counters_a_capture_takes_the_two_launches(monkeypatch):
     assert torch.equal(logits, reference_logits)
     for captured, fresh in zip(routes, ref):
         assert torch.equal(captured, fresh)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed-pairs", "shared-pairs"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_norm_inside_is_the_norm_kernel_then_the_router(tokens, shared):
+    torch.manual_seed(tokens)
+    for _ in range(3):
+        check_moe_norm_router_route(
+            moe_router_triton,
+            rms_norm_triton,
+            moe_routing_triton.moe_route,
+            tokens,
+            NUM_EXPERTS,
+            TOP_K,
+            HIDDEN,
+            (0, NUM_EXPERTS),
+            shared,
+            BF16,
+            "cuda",
+        )
+    assert not groupwise_gemv_triton._counters[torch.device("cuda", 0)].any()

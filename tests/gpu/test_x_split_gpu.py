@@ -1,6 +1,7 @@
 """Producers of an integer GEMV's input write its codes beside it on the GPU (bf16, the 27B
-widths): RMSNorm(+residual), the SwiGLU product, the attention output gate and the GDN gated
-norm attach exactly what the split kernel makes of their output, and the GEMV's product with
+widths; 35B-A3B's 2048 for the norm inside its router): RMSNorm(+residual), alone and inside
+the MoE router, the SwiGLU product, the attention output gate and the GDN gated norm attach
+exactly what the split kernel makes of their output, and the GEMV's product with
 them is the product without them (`kernels/x_split.py`)."""
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ def rms_norm(request):
     return rms_norm_triton.rms_norm(x, weight, 1e-6, residual, request)[0]
 
 
+def norm_in_router(request):
+    from ninfer.kernels import moe_router_triton
+
+    x, residual = torch.randn(1, 2048, **BF16), torch.randn(1, 2048, **BF16)
+    router = torch.randn(257, 2048, **BF16) * 0.02
+    weight = torch.randn(2048, device="cuda") * 0.1
+    return moe_router_triton.moe_norm_router_route(
+        x, residual, weight, 1e-6, router, 256, 8, 0, 256, True, request
+    )[2]
+
+
 def silu_mul(request):
     from ninfer.kernels import swiglu_triton
 
@@ -51,8 +63,11 @@ def gated_rms_norm(request):
     return gated_rms_norm_triton.gated_rms_norm(x, z, weight, 1e-6, request).reshape(1, -1)
 
 
+PRODUCERS = [rms_norm, norm_in_router, silu_mul, sigmoid_gate, gated_rms_norm]
+
+
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q8_g32_fp16"])
-@pytest.mark.parametrize("produce", [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm], ids=str)
+@pytest.mark.parametrize("produce", PRODUCERS, ids=str)
 def test_producer_split_is_the_split_of_its_output(produce, fmt):
     from ninfer.kernels import groupwise_gemv_triton as gemv
 
@@ -71,7 +86,7 @@ def test_producer_split_is_the_split_of_its_output(produce, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q8_g32_fp16"])
-@pytest.mark.parametrize("produce", [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm], ids=str)
+@pytest.mark.parametrize("produce", PRODUCERS, ids=str)
 def test_writing_the_codes_leaves_the_output_as_it_was(produce, fmt):
     """The codes come from the output's values in registers: the output itself is the same
     bit for bit with and without them."""

@@ -5,7 +5,10 @@ compared: the logits within one rounding of F.linear's (the summation orders dif
 routes exactly those of the kernel's own logits, and the unfused path's experts away from
 near-ties. The last program of a token to arrive routes it and leaves its counter at zero, so
 a second call reuses the counters; without counters (none yet inside a graph capture) the
-product and the routing run as two launches."""
+product and the routing run as two launches. With the norm before the block inside
+(`moe_norm_router_route`), its outputs are the norm kernel's and the logits and routes those
+of the router on them (up to the logits' summation order); rows wider than one warp holds take
+the norm kernel, then the router."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import check_moe_router_route
+from kernel_cases import check_moe_norm_router_route, check_moe_router_route
 from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import moe_routing as routing_reference
@@ -105,3 +108,59 @@ def test_stages_left_out_for_timing_do_what_they_say(router, counters, monkeypat
     assert not any(t.any() for t in routes)
     routes, _ = router.moe_router_route(x, weight, 8, 2, 0, 8, stages=(True, True, True))
     assert all(torch.equal(a, b) for a, b in zip(routes, full, strict=True))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["routed-pairs", "shared-pairs"])
+@pytest.mark.parametrize("hidden", [192, 2112])  # one part; three parts of 16 groups, one partial
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_norm_inside_is_the_norm_kernel_then_the_router(router, counters, tokens, hidden, shared):
+    norm = load_kernel_module("rms_norm_triton")
+    case = (tokens, 40, 8, hidden, (10, 20), shared, DTYPE, CPU)
+    check_moe_norm_router_route(router, norm, routing_reference.moe_route, *case)
+    assert not counters[CPU].any()
+
+
+def test_norm_inside_without_counters_runs_the_norm_then_the_router(router, monkeypatch):
+    gemv = importlib.import_module("ninfer.kernels.groupwise_gemv_triton")
+    monkeypatch.setattr(gemv, "_counters", {})
+    monkeypatch.setattr(gemv, "TILE_COUNTERS", 0)
+    norm = load_kernel_module("rms_norm_triton")
+    case = (routing_reference.moe_route, 2, 40, 8, 256, (0, 40), True, DTYPE, CPU)
+    check_moe_norm_router_route(router, norm, *case)
+    assert not gemv._counters
+
+
+def test_norm_inside_refuses_what_it_cannot_norm(router):
+    x = torch.randn(2, 64).to(DTYPE)
+    weight = torch.randn(9, 64).to(DTYPE)
+    norm_weight = torch.zeros(64)
+    with pytest.raises(ValueError, match="residual"):
+        router.moe_norm_router_route(x, x[:1], norm_weight, 1e-6, weight, 8, 2, 0, 8)
+    with pytest.raises(ValueError, match="norm weight"):
+        router.moe_norm_router_route(x, x, norm_weight[:32], 1e-6, weight, 8, 2, 0, 8)
+
+
+def test_rows_wider_than_one_warp_holds_take_the_norm_kernel_then_the_router(
+    router, counters, monkeypatch
+):
+    norm = load_kernel_module("rms_norm_triton")
+    calls = []
+    monkeypatch.setattr(router, "NORM_MAX_HIDDEN", 128)
+    monkeypatch.setattr(
+        router, "rms_norm", lambda *args: calls.append(args) or norm.rms_norm(*args)
+    )
+    case = (routing_reference.moe_route, 2, 40, 8, 192, (0, 40), False, DTYPE, CPU)
+    check_moe_norm_router_route(router, norm, *case)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("part_groups", [1, 2])
+def test_norm_parts_grow_until_the_router_rows_cover_them(
+    router, counters, monkeypatch, part_groups
+):
+    """Ten groups of 64 values and five router rows: parts of one or two groups would need
+    more programs than there are rows, so each part takes two."""
+    monkeypatch.setattr(router, "NORM_PART_GROUPS", part_groups)
+    norm = load_kernel_module("rms_norm_triton")
+    case = (routing_reference.moe_route, 2, 4, 2, 640, (0, 4), True, DTYPE, CPU)
+    check_moe_norm_router_route(router, norm, *case)

@@ -1,7 +1,7 @@
 """Producers of an integer GEMV's input write its codes beside it (`kernels/x_split.py`),
-under Triton's CPU interpreter: RMSNorm(+residual), the SwiGLU product, the attention output
-gate (alone, and in the decode attention's merge kernel) and the GDN gated norm each attach
-exactly what the split kernel makes of their output (in the consumer's shape), nothing when
+under Triton's CPU interpreter: RMSNorm(+residual) alone and inside the MoE router, the
+SwiGLU product, the attention output gate (alone, and in the decode attention's merge kernel)
+and the GDN gated norm each attach exactly what the split kernel makes of their output (in the consumer's shape), nothing when
 not asked or over more rows than the GEMV takes, and the GEMV then computes the same product
 without splitting x again. fp16 here (tests/triton_interpreter.py says why)."""
 
@@ -25,6 +25,16 @@ def rms_norm(request, tokens):
     x, residual = torch.randn(tokens, 2048).to(DTYPE), torch.randn(tokens, 2048).to(DTYPE)
     normed, _ = module.rms_norm(x, torch.randn(2048) * 0.1, 1e-6, residual, request)
     return normed
+
+
+def norm_in_router(request, tokens):
+    module = load_kernel_module("moe_router_triton")
+    x, residual = torch.randn(tokens, 2048).to(DTYPE), torch.randn(tokens, 2048).to(DTYPE)
+    router = (torch.randn(9, 2048) * 0.02).to(DTYPE)
+    norm_weight = torch.randn(2048) * 0.1
+    return module.moe_norm_router_route(
+        x, residual, norm_weight, 1e-6, router, 8, 2, 0, 8, False, request
+    )[2]
 
 
 def silu_mul(request, tokens):
@@ -61,7 +71,7 @@ def gated_attention(request, tokens):
     )
 
 
-PRODUCERS = [rms_norm, silu_mul, sigmoid_gate, gated_rms_norm, gated_attention]
+PRODUCERS = [rms_norm, norm_in_router, silu_mul, sigmoid_gate, gated_rms_norm, gated_attention]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

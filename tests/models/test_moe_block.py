@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ninfer.models.layers import linear, mlp, moe
 from ninfer.models.layers.linear import GroupwiseLinear
 from ninfer.models.layers.moe import SparseMoE
+from ninfer.models.layers.norms import RMSNorm
 from ninfer.quant import get_format
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 128, 64, 16, 4
@@ -71,8 +72,11 @@ def silu_mul_shape(gate, up, split=None):
     return gate * up
 
 
-def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int]:
-    """The launches of one decode step of `block` in bf16, traced on the meta device."""
+def decode_launches(
+    block: SparseMoE, tokens: int, monkeypatch, norm_inside: bool = False
+) -> dict[str, int]:
+    """The launches of one decode step of `block` in bf16, traced on the meta device; with
+    `norm_inside`, of the norm before it and the block (`SparseMoE.norm_and_forward`)."""
     block = block.to(device="meta", dtype=torch.bfloat16)
     count = LaunchCount()
 
@@ -95,9 +99,17 @@ def decode_launches(block: SparseMoE, tokens: int, monkeypatch) -> dict[str, int
     monkeypatch.setattr(moe, "moe_route", count.kernel("route", moe.moe_route))
     monkeypatch.setattr(moe, "moe_router_route", count.kernel("router_route", moe.moe_router_route))
     monkeypatch.setattr(moe, "moe_combine", count.kernel("combine", moe.moe_combine))
+    monkeypatch.setattr(
+        moe, "moe_norm_router_route", count.kernel("norm_router_route", moe.moe_norm_router_route)
+    )
     x = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="meta")
+    norm = RMSNorm(HIDDEN, 1e-6).to(device="meta", dtype=torch.bfloat16)
     with count:
-        out = block(x)
+        if norm_inside:
+            out, total = block.norm_and_forward(x, torch.empty_like(x), norm)
+            assert total.shape == x.shape
+        else:
+            out = block(x)
     assert out.shape == x.shape
     return dict(count.launches)
 
@@ -168,3 +180,22 @@ def test_stacked_shared_expert_one_token_decode_step_launches_four_kernels(monke
     assert decode_launches(block, 8, monkeypatch) == {
         "router_route": 1, "grouped_gemv": 2, "silu_mul": 1, "gemv": 2, "combine": 1,
     }  # fmt: skip
+
+
+def test_norm_inside_the_router_takes_one_launch_fewer(monkeypatch):
+    """With the norm before the block inside the router's kernel, the block's decode step is
+    that kernel, the two grouped GEMVs and the output: the norm's launch is gone. Off where the
+    fused router does not run (the CPU), or switched off, the caller runs the norm."""
+    block = moe_block(encoded=True)
+    block.fuse_projections()
+    assert block.stack_shared_expert()
+    assert decode_launches(block, 1, monkeypatch, norm_inside=True) == {
+        "norm_router_route": 1, "grouped_gemv": 2, "combine": 1,
+    }  # fmt: skip
+    cpu = moe_block(encoded=True).to(torch.bfloat16)
+    cpu.fuse_projections()
+    x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+    assert cpu.norm_and_forward(x, x, RMSNorm(HIDDEN, 1e-6)) is None
+    monkeypatch.setattr(moe, "NORM_IN_ROUTER", False)
+    meta = block.to(device="meta")
+    assert meta.norm_and_forward(x.to("meta"), x.to("meta"), RMSNorm(HIDDEN, 1e-6)) is None

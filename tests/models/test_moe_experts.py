@@ -227,3 +227,35 @@ def test_groupwise_int_moe_artifact_with_encoded_experts_gives_the_dequantized_l
         model.outputs = (prefill, decode["a"], mtp["a"])
     for ours, ref in zip(encoded.outputs, reference.outputs):
         assert rel_err(ours, ref) < 1e-5
+
+
+def test_norm_inside_the_router_gives_the_logits_of_the_norm_then_the_block(
+    tiny_artifact, monkeypatch
+):
+    """The decoder layers' path through `SparseMoE.norm_and_forward` (the GPU's, the norm
+    inside the router's kernel), taken on the CPU, where its norm and router are the torch
+    references: prefill and decode logits those of the norm and then the block, so the layer
+    hands on the block's output and the residual stream as before. (Not bit for bit: the
+    fused router's logits are one product over the stacked router and shared gate, which the
+    CPU path computes apart.)"""
+    _, path = tiny_artifact(weights="groupwise-int", moe=True, experts=6, seed=5)
+    artifact = Artifact.open(path)
+    monkeypatch.setattr(qwen3_5, "runs_quantized", lambda *args: True)
+    calls = []
+    fused = moe.moe_norm_router_route
+    monkeypatch.setattr(moe, "moe_norm_router_route", lambda *a: calls.append(1) or fused(*a))
+    outputs = []
+    for inside in (False, True):
+        if inside:  # the fused router's weight, which only CUDA half precision gets
+            monkeypatch.setattr(
+                SparseMoE, "fused_router_weight", lambda s, x: s.router.linear.weight
+            )
+        model = load_model(artifact, artifact.config())
+        runner = Runner(model)
+        runner.add("a")
+        prefill = runner.step({"a": list(range(0, 30, 3))})["a"]
+        decode = runner.step({"a": [7]})["a"]
+        outputs.append((prefill, decode))
+        assert len(calls) == (8 if inside else 0)  # 4 MoE layers, a prefill and a decode step
+    for ours, ref in zip(outputs[1], outputs[0]):
+        assert rel_err(ours, ref) < 1e-5

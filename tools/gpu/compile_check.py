@@ -179,6 +179,11 @@ def cases():
     def x_split_producers():
         x = torch.randn(1, 5120, dtype=BF16)
         rms_norm_triton.rms_norm(x, torch.randn(5120, dtype=BF16), 1e-6, x.clone(), split)
+        row, router = torch.randn(1, 2048, dtype=BF16), torch.randn(257, 2048, dtype=BF16)
+        norm_weight = torch.randn(2048, dtype=BF16)
+        moe_router_triton.moe_norm_router_route(
+            row, row.clone(), norm_weight, 1e-6, router, 256, 8, 0, 256, True, split
+        )
         gate_up = torch.randn(1, 2 * 17408, dtype=BF16)
         swiglu_triton.silu_mul(gate_up[:, :17408], gate_up[:, 17408:], split)
         heads = torch.randn(1, 48, 128, dtype=BF16)
@@ -289,6 +294,9 @@ def cases():
         ("moe router with the routing", lambda: kc.check_moe_router_route(
             moe_router_triton, moe_routing_triton, 1, 256, 8, 2048, True, (0, 256), True,
             BF16, cpu)),
+        ("moe router with the norm inside", lambda: kc.check_moe_norm_router_route(
+            moe_router_triton, rms_norm_triton, moe_routing_triton.moe_route, 1, 256, 8, 2048,
+            (0, 256), True, BF16, cpu)),
     ]  # fmt: skip
 
 

@@ -18,7 +18,9 @@ elsewhere their torch references run, which compute what the eager module always
 bit. Where the shared expert is kept encoded like the routed ones, it is stacked after them at
 load (`SparseMoE.stack_shared_expert`) and a one-token decode step runs it as one more pair of
 the two grouped GEMVs: a block is five launches (router product and routing, two grouped GEMVs
-and their activation, the output) instead of eight (`SHARED_PAIRS_MAX_TOKENS`)."""
+and their activation, the output) instead of eight (`SHARED_PAIRS_MAX_TOKENS`). The decoder
+layer's norm before the block runs inside the router's kernel where that kernel runs
+(`SparseMoE.norm_and_forward`), one launch fewer again."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from ninfer.kernels.dispatch import (
     grouped_swiglu_linear,
     groupwise_dequant,
     moe_combine,
+    moe_norm_router_route,
     moe_route,
     moe_router_route,
     silu_mul,
@@ -47,6 +50,7 @@ from ninfer.models.layers.linear import (
     fuse_into,
 )
 from ninfer.models.layers.mlp import MLP
+from ninfer.models.layers.norms import RMSNorm
 from ninfer.quant import EncodedTensor
 
 # Tokens up to this many take the gathered (graph-safe) expert path on the GPU.
@@ -56,6 +60,11 @@ GATHERED_MAX_TOKENS = 64
 # weights once where pairs read them once per token. Where the two cross is not measured yet;
 # at one token they read the same.
 SHARED_PAIRS_MAX_TOKENS = 1
+# The norm before a MoE block inside the fused router's kernel (`SparseMoE.norm_and_forward`):
+# one launch fewer per MoE layer of a decode step. Each router program norms the row itself
+# for its dots, reading it from L2 while its router row comes from memory (the 35B-A3B C=1
+# step 1.84 -> 1.79-1.80 ms on the H200, docs/performance.md, Measurement 17).
+NORM_IN_ROUTER = True
 # Encoded experts over more tokens on CUDA in bf16: dequantized this many bytes of experts at a
 # time for one grouped matrix product over their tokens (bounds the transient dense weight).
 GROUPED_MM_BYTES = 256 << 20
@@ -491,12 +500,77 @@ class SparseMoE(nn.Module):
         half = x.dtype in (torch.bfloat16, torch.float16)
         return weight if half and weight.dtype == x.dtype else None
 
+    def norm_and_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward(y)` and the residual stream, where (y, x + residual) = norm(x, residual),
+        with the norm inside the router's kernel (`moe_norm_router_route`) where the block
+        takes the gathered path with the fused router (`NORM_IN_ROUTER`); else None, and the
+        caller runs the norm, then `forward`."""
+        experts = self.experts
+        if not (
+            NORM_IN_ROUTER
+            and isinstance(experts, GroupwiseExperts)
+            and x.shape[0] <= GATHERED_MAX_TOKENS
+            and residual.shape == x.shape
+        ):
+            return None
+        router_weight = self.fused_router_weight(x)
+        if router_weight is None:
+            return None
+        in_pairs = self._shared_in_pairs(x.shape[0])
+        num_experts = self.router.split_sizes[0]
+        routes, logits, normed, total = moe_norm_router_route(
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            router_weight,
+            num_experts,
+            self.top_k,
+            experts.first,
+            experts.num_experts,
+            in_pairs,
+            norm.split_request,
+        )
+        return self._gathered(normed, routes, logits[:, num_experts:], in_pairs), total
+
+    def _shared_in_pairs(self, tokens: int) -> bool:
+        stacked = getattr(self.experts, "shared_local", None)
+        return stacked is not None and tokens <= SHARED_PAIRS_MAX_TOKENS
+
+    def _gathered(
+        self, x: torch.Tensor, routes, shared_gate: torch.Tensor, in_pairs: bool
+    ) -> torch.Tensor:
+        """The block's output from its routes: the chosen experts' products over the pair
+        lists (the stacked shared expert's too, `in_pairs`), then `moe_combine`."""
+        experts = self.experts
+        stacked = getattr(experts, "shared_local", None)
+        tokens = x.shape[0]
+        outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
+        routed = tokens * self.top_k
+        if in_pairs:
+            shared = outputs[routed:]  # the pairs of the stacked shared expert
+        elif stacked is not None:
+            shared = experts.expert_mlp(stacked, x)
+        else:
+            shared = self.shared_expert(x)
+        return moe_combine(
+            outputs[:routed].view(tokens, self.top_k, x.shape[1]),
+            routes.weights,
+            routes.experts,
+            experts.first,
+            experts.num_experts,
+            shared,
+            shared_gate,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
         stacked = getattr(experts, "shared_local", None)
         tokens = x.shape[0]
         if isinstance(experts, GroupwiseExperts) and tokens <= GATHERED_MAX_TOKENS:
-            in_pairs = stacked is not None and tokens <= SHARED_PAIRS_MAX_TOKENS
+            in_pairs = self._shared_in_pairs(tokens)
             first, count = experts.first, experts.num_experts
             router_weight = self.fused_router_weight(x)
             if router_weight is not None:
@@ -508,23 +582,7 @@ class SparseMoE(nn.Module):
             else:
                 logits, shared_gate = self.router_logits(x)
                 routes = moe_route(logits, self.top_k, x.dtype, first, count, in_pairs)
-            outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
-            routed = tokens * self.top_k
-            if in_pairs:
-                shared = outputs[routed:]  # the pairs of the stacked shared expert
-            elif stacked is not None:
-                shared = experts.expert_mlp(stacked, x)
-            else:
-                shared = self.shared_expert(x)
-            return moe_combine(
-                outputs[:routed].view(tokens, self.top_k, x.shape[1]),
-                routes.weights,
-                routes.experts,
-                first,
-                count,
-                shared,
-                shared_gate,
-            )
+            return self._gathered(x, routes, shared_gate, in_pairs)
         logits, shared_gate = self.router_logits(x)
         routes = moe_route(logits, self.top_k, x.dtype, experts.first, experts.num_experts)
         if stacked is not None:
