@@ -294,6 +294,8 @@ def _parse_tool_choice(value: Any, tools: list[Tool]) -> tuple[str, str | None]:
     name = None
     if choice == "function":
         name = value.get("name")
+        if not isinstance(name, str):
+            raise invalid("tool_choice of type 'tool' needs a string 'name'", param="tool_choice")
         if not any(t.name == name for t in tools):
             raise invalid(
                 f"tool_choice names {name!r}, which is not in 'tools'", param="tool_choice"
@@ -326,14 +328,14 @@ def _content_blocks(completion: Completion) -> list[dict]:
     blocks: list[dict] = []
     if completion.reasoning:
         blocks.append({"type": "thinking", "thinking": completion.reasoning, "signature": ""})
-    if completion.content or not completion.tool_calls:
+    if completion.content or not (completion.tool_calls or completion.reasoning):
+        # an empty text block only where there would be no block at all: one beside thinking
+        # (a limit hit while thinking) is one the Messages API refuses when sent back
         blocks.append({"type": "text", "text": completion.content})
     for call in completion.tool_calls:
         blocks.append(
             {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
         )
-    if not blocks:
-        blocks.append({"type": "text", "text": ""})
     return blocks
 
 
@@ -418,7 +420,7 @@ async def messages_sse(
                 yield _event("content_block_stop", {"index": index})
                 index += 1
                 open_kind = None
-            if not wrote_text and not item.tool_calls:
+            if not (wrote_text or item.tool_calls or item.reasoning):  # as `_content_blocks`
                 yield _event(
                     "content_block_start",
                     {"index": index, "content_block": {"type": "text", "text": ""}},

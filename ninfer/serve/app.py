@@ -46,6 +46,19 @@ CORS_HEADERS = [
     (b"access-control-allow-headers", b"Authorization, Content-Type, x-api-key"),
     (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
 ]
+# How long a browser may reuse a preflight's answer, in seconds.
+CORS_MAX_AGE = b"600"
+
+
+def preflight_headers(scope: dict) -> list[tuple[bytes, bytes]]:
+    """A preflight's answer allows the headers it asks for: the SDKs' browser builds send
+    their own (`x-stainless-*`, `anthropic-version`, ...), and a browser blocks a request any
+    of whose headers the answer leaves out."""
+    asked = dict(scope["headers"]).get(b"access-control-request-headers")
+    headers = [*CORS_HEADERS, (b"access-control-max-age", CORS_MAX_AGE)]
+    if asked:
+        headers[1] = (b"access-control-allow-headers", asked)
+    return headers
 
 
 @dataclass(slots=True)
@@ -82,7 +95,8 @@ class Gate:
             return
         cors = self.state.cors
         if cors and scope["method"] == "OPTIONS":
-            await send({"type": "http.response.start", "status": 204, "headers": CORS_HEADERS})
+            start = {"type": "http.response.start", "status": 204}
+            await send({**start, "headers": preflight_headers(scope)})
             await send({"type": "http.response.body", "body": b""})
             return
         send_out = send
@@ -301,7 +315,9 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(route_error(exc.status_code, message), request.url.path)
+        response = error_response(route_error(exc.status_code, message), request.url.path)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -210,7 +210,8 @@ def get_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) 
 
 
 def get_seed(body: dict) -> int | None:
-    return get_int(body, "seed", 0, 2**64 - 1)
+    """Any 64-bit integer, signed as OpenAI's spec has it, or unsigned (its bits are the key)."""
+    return get_int(body, "seed", -(2**63), 2**64 - 1)
 
 
 def parse_stop(value: Any, param: str = "stop") -> list[str]:

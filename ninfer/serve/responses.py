@@ -423,8 +423,12 @@ def _parse_item(raw: dict, param: str) -> dict:
         call_id, output = raw.get("call_id"), raw.get("output")
         if not isinstance(call_id, str) or not call_id:
             raise invalid(f"'{param}.call_id' must be a non-empty string", param=f"{param}.call_id")
-        if not isinstance(output, str):
-            raise invalid(f"'{param}.output' must be a string", param=f"{param}.output")
+        if not isinstance(output, str):  # or a list of parts, as message content is
+            if not isinstance(output, list):
+                raise invalid(
+                    f"'{param}.output' must be a string or a list of parts", param=f"{param}.output"
+                )
+            output = _parse_parts(output, "tool", f"{param}.output")
         return {
             "id": item_id or new_id("fco_"),
             "type": "function_call_output",
@@ -496,7 +500,10 @@ def items_to_messages(items: list[dict]) -> list[Message]:
             open_turn.tool_calls.append(call)
             continue
         open_turn = None
-        messages.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
+        output = item["output"]
+        if not isinstance(output, str):
+            output = "\n".join(part["text"] for part in output)
+        messages.append(Message("tool", output, tool_call_id=item["call_id"]))
     return messages
 
 
@@ -556,7 +563,9 @@ def output_items(completion: Completion, ids: OutputIds, call_ids: list[str]) ->
     items = []
     if completion.reasoning:
         items.append(reasoning_item(ids.reasoning, completion.reasoning))
-    if completion.content or not completion.tool_calls:
+    if completion.content or not (completion.tool_calls or completion.reasoning):
+        # an empty message only where there would be no item at all (a limit hit while
+        # reasoning leaves the reasoning alone, as OpenAI's incomplete responses do)
         items.append(message_item(ids.message, completion.content, status))
     for call, item_id in zip(completion.tool_calls, call_ids):
         items.append(call_item(call, item_id))
@@ -758,7 +767,7 @@ async def responses_sse(
                 for frame in close_current(status):
                     yield frame
             has_message = any(item["type"] == "message" for item in done_items)
-            if not has_message and not completion.tool_calls:
+            if not (has_message or completion.tool_calls or completion.reasoning):
                 for frame in open_item("content"):
                     yield frame
                 for frame in close_current(status):

@@ -124,6 +124,15 @@ def test_input_schema_maps_to_parameters_and_any_means_required(info):
     assert request.tool_choice == "required"
 
 
+def test_a_tool_choice_of_type_tool_needs_a_name(info):
+    err = rejection(info, tools=[TOOL], tool_choice={"type": "tool"})
+    assert err.param == "tool_choice" and "needs a string 'name'" in err.message
+    named = {"type": "tool", "name": TOOL["name"]}
+    assert parse_messages_request(body(tools=[TOOL], tool_choice=named), info).tool_choice == (
+        "function"
+    )
+
+
 def test_a_text_or_thinking_block_without_its_string_names_the_field(info):
     err = rejection(info, messages=[{"role": "user", "content": [{"type": "text"}]}])
     assert err.param == "messages[0].content[0].text" and "must be a string" in err.message
@@ -231,6 +240,19 @@ def test_empty_output_gives_one_empty_text_block(make_client, engine):
     engine.script = []
     reply = make_client().post("/v1/messages", json=body()).json()
     assert reply["content"] == [{"type": "text", "text": ""}]
+
+
+def test_thinking_cut_by_max_tokens_is_the_whole_content_in_body_and_stream(make_client, engine):
+    """No empty text block beside it: the Messages API refuses one when a client sends the
+    turn back."""
+    engine.script, engine.finish = [("reasoning", "Hm")], "length"
+    client = make_client()
+    reply = client.post("/v1/messages", json=body()).json()
+    assert [block["type"] for block in reply["content"]] == ["thinking"]
+    assert reply["stop_reason"] == "max_tokens"
+    events = typed_events(client.post("/v1/messages", json=body(stream=True)).text)
+    starts = [d["content_block"]["type"] for k, d in events if k == "content_block_start"]
+    assert starts == ["thinking"]
 
 
 def test_stream_event_sequence(make_client, engine):

@@ -197,6 +197,12 @@ def test_client_that_leaves_before_the_answer_cancels_the_work_with_499():
     assert err.status == 499 and err.code == "client_disconnected" and cancelled.is_set()
 
 
+def test_wrong_method_is_a_shaped_405_naming_the_allowed_ones(make_client):
+    response = make_client().get("/v1/chat/completions")
+    assert openai_error(response, 405)["message"].startswith("GET /v1/chat/completions")
+    assert response.headers["allow"] == "POST"
+
+
 def test_unknown_routes_are_shaped_404s(make_client):
     error = openai_error(make_client().get("/v1/nothing"), 404)
     assert error["code"] == "not_found"
@@ -225,6 +231,16 @@ def test_cors_preflight_and_headers(make_client):
     assert preflight.status_code == 204
     assert preflight.headers["access-control-allow-origin"] == "*"
     assert "DELETE" in preflight.headers["access-control-allow-methods"]
+    assert "x-api-key" in preflight.headers["access-control-allow-headers"]
+    # the headers a browser build of an SDK asks for are the headers allowed
+    asked = "anthropic-version, content-type, x-api-key, x-stainless-os, x-stainless-retry-count"
+    preflight = client.options(
+        "/v1/messages",
+        headers={"Origin": "http://localhost:3000", "Access-Control-Request-Headers": asked},
+    )
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-headers"] == asked
+    assert int(preflight.headers["access-control-max-age"]) > 0
     assert client.get("/health").headers["access-control-allow-origin"] == "*"
     assert "access-control-allow-origin" not in make_client().get("/health").headers
 

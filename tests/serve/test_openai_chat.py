@@ -208,6 +208,12 @@ def test_stop_accepts_a_string_or_a_list_and_ignores_empty_strings(info):
     assert parse_chat_request(body(stop=["a", "", "b"]), info).stop == ["a", "b"]
 
 
+def test_seed_is_any_64_bit_integer_signed_or_not(info):
+    """OpenAI's spec types `seed` as a signed 64-bit integer; unsigned ones are taken too."""
+    for seed in (-1, -(2**63), 0, 2**64 - 1):
+        assert parse_chat_request(body(seed=seed), info).sampling.seed == seed
+
+
 def test_omitted_sampling_fields_do_not_override_model_defaults(info):
     sampling = parse_chat_request(body(temperature=0.5), info).sampling
     assert sampling.temperature == 0.5
@@ -221,7 +227,8 @@ def test_omitted_sampling_fields_do_not_override_model_defaults(info):
         {"top_p": 1.5},
         {"top_k": -1},
         {"presence_penalty": 3},
-        {"seed": -1},
+        {"seed": -(2**63) - 1},
+        {"seed": 2**64},
         {"logit_bias": {"5": 101}},
         {"logit_bias": {"-1": 1}},
         {"logit_bias": {"5": float("inf")}},

@@ -130,6 +130,20 @@ def test_reasoning_and_adjacent_calls_form_one_assistant_turn_and_outputs_are_to
     assert turn.tool_calls[0].arguments == {"a": 1}
 
 
+def test_a_call_output_may_be_a_list_of_text_parts(info):
+    """`function_call_output.output` is a string or a list of input parts (OpenAI's spec);
+    text parts are joined for the tool turn, an image is refused as message content is."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    parts = [{"type": "input_text", "text": "sunny"}, {"type": "input_text", "text": "21 C"}]
+    output = {"type": "function_call_output", "call_id": "c1", "output": parts}
+    request = parse(info, input=[{"role": "user", "content": "q"}, call, output])
+    assert request.input_items[-1]["output"] == parts
+    assert request.chat.messages[-1].content == "sunny\n21 C"
+    image = {**output, "output": [{"type": "input_image", "image_url": "http://x/y.png"}]}
+    assert rejection(info, input=[call, image]).code == "vision_disabled"
+    assert rejection(info, input=[call, {**output, "output": 3}]).param == "input[1].output"
+
+
 def test_flat_tool_definitions_are_converted(info):
     call = parse(info, tools=[{**TOOL, "description": "d"}])
     assert call.chat.template_tools() == [
@@ -373,7 +387,8 @@ def test_deleted_ids_disappear():
     assert store.size_bytes == 0
 
 
-def test_stream_of_reasoning_only_still_ends_with_a_message_item_like_the_body(make_client, engine):
+def test_reasoning_cut_by_the_limit_is_the_whole_output_in_stream_and_body(make_client, engine):
+    """As OpenAI's incomplete responses: no empty message item after the reasoning."""
     engine.script, engine.finish = [("reasoning", "Thinking")], "length"
     client = make_client()
     whole = client.post("/v1/responses", json=body()).json()
@@ -382,6 +397,6 @@ def test_stream_of_reasoning_only_still_ends_with_a_message_item_like_the_body(m
     assert events[-1][0] == "response.incomplete"
     shape = [(i["type"], i.get("status")) for i in final["output"]]
     assert shape == [(i["type"], i.get("status")) for i in whole["output"]]
-    assert shape == [("reasoning", None), ("message", "incomplete")]
+    assert shape == [("reasoning", None)]
     done = [d["item"] for k, d in events if k == "response.output_item.done"]
     assert done == final["output"]
