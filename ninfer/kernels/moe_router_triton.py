@@ -240,9 +240,10 @@ def moe_norm_router_route(
     total = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     buffers = producer_buffers(split, tokens, hidden, x.device)
     split_args, split_constants = split_launch_args(split, buffers, normed)
-    # the first programs write a part each: as many groups a part as the router's rows need
+    # the first programs write a part each: as many groups a part as a token's programs need
     groups, part_groups = triton.cdiv(hidden, split_constants["SPLIT_GROUP"]), NORM_PART_GROUPS
-    while triton.cdiv(groups, part_groups) > router_weight.shape[0]:
+    programs = triton.cdiv(router_weight.shape[0], ROWS_PER_PROGRAM)
+    while triton.cdiv(groups, part_groups) > programs:
         part_groups *= 2
     split_constants["SPLIT_BLOCK_G"] = part_groups
     norm = (residual, residual.stride(0), norm_weight, eps, normed, total, *split_args)

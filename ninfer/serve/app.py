@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from ninfer.serve import anthropic, openai_chat, responses
 from ninfer.serve.auth import OPEN_PATHS, authorized
@@ -117,6 +118,17 @@ class Gate:
                 await response(scope, receive, send_out)
                 return
         await self.app(scope, receive, send_out)
+
+
+def allowed_methods(app: FastAPI, scope: dict) -> list[str]:
+    """The methods of the routes whose path matches the request's (Starlette's own 405 names
+    those of the first such route only: `/v1/responses/{id}` has a GET and a DELETE)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 # json.loads turns an unpaired "\ud800" escape into a string that is not Unicode text, which
@@ -316,7 +328,9 @@ def create_app(
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         response = error_response(route_error(exc.status_code, message), request.url.path)
-        response.headers.update(exc.headers or {})  # a 405's Allow
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow names every route's methods at this path
+            response.headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
         return response
 
     @app.exception_handler(Exception)

@@ -466,12 +466,20 @@ def _parse_parts(content: Any, role: str, param: str) -> list[dict]:
 
 
 def items_to_messages(items: list[dict]) -> list[Message]:
-    """Template messages: a reasoning Item attaches to the next assistant message or call;
-    adjacent calls (and the assistant text before them) form one assistant turn; a call output
-    becomes a tool turn."""
+    """Template messages: a reasoning Item attaches to the next assistant message or call
+    (with none before the next other Item or the end, as in an output the limit cut while it
+    reasoned, it is an assistant turn of its own); adjacent calls (and the assistant text
+    before them) form one assistant turn; a call output becomes a tool turn."""
     messages: list[Message] = []
     reasoning: list[str] = []
     open_turn: Message | None = None  # assistant turn that may still take calls
+
+    def reasoning_alone() -> None:
+        nonlocal reasoning
+        if reasoning:
+            messages.append(Message("assistant", "", reasoning="\n".join(reasoning)))
+            reasoning = []
+
     for item in items:
         kind = item["type"]
         if kind == "reasoning":
@@ -480,6 +488,8 @@ def items_to_messages(items: list[dict]) -> list[Message]:
         if kind == "message":
             text = "\n".join(part["text"] for part in item["content"])
             role = MESSAGE_ROLES[item["role"]]
+            if role != "assistant":
+                reasoning_alone()
             message = Message(role, text)
             if role == "assistant":
                 message.reasoning = "\n".join(reasoning) or None
@@ -499,11 +509,13 @@ def items_to_messages(items: list[dict]) -> list[Message]:
                 messages.append(open_turn)
             open_turn.tool_calls.append(call)
             continue
+        reasoning_alone()
         open_turn = None
         output = item["output"]
         if not isinstance(output, str):
             output = "\n".join(part["text"] for part in output)
         messages.append(Message("tool", output, tool_call_id=item["call_id"]))
+    reasoning_alone()
     return messages
 
 

@@ -21,6 +21,7 @@ from kernel_cases import check_moe_norm_router_route, check_moe_router_route
 from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import moe_routing as routing_reference
+from ninfer.kernels.x_split import SplitRequest, attached
 
 require_interpreter()
 
@@ -154,13 +155,34 @@ def test_rows_wider_than_one_warp_holds_take_the_norm_kernel_then_the_router(
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("part_groups", [1, 2])
-def test_norm_parts_grow_until_the_router_rows_cover_them(
-    router, counters, monkeypatch, part_groups
+@pytest.mark.parametrize(("part_groups", "rows_per_program"), [(1, 1), (2, 1), (1, 2)])
+def test_norm_parts_grow_until_the_programs_cover_them(
+    router, counters, monkeypatch, part_groups, rows_per_program
 ):
     """Ten groups of 64 values and five router rows: parts of one or two groups would need
-    more programs than there are rows, so each part takes two."""
+    more programs than there are (five, or three at two rows a program), so each part takes
+    two (or four)."""
     monkeypatch.setattr(router, "NORM_PART_GROUPS", part_groups)
+    monkeypatch.setattr(router, "ROWS_PER_PROGRAM", rows_per_program)
     norm = load_kernel_module("rms_norm_triton")
     case = (routing_reference.moe_route, 2, 4, 2, 640, (0, 4), True, DTYPE, CPU)
     check_moe_norm_router_route(router, norm, *case)
+
+
+@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q8_g32_fp16"])
+def test_norm_inside_attaches_the_codes_of_every_row(router, counters, fmt):
+    """Up to the experts' decode rows (a request of 64 rows, as the layer's), every normed
+    row's codes are the split kernel's of that row."""
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    request = SplitRequest.for_format(fmt, 64)
+    x, residual = torch.randn(3, 256).to(DTYPE), torch.randn(3, 256).to(DTYPE)
+    weight = (torch.randn(9, 256) * 256**-0.5).to(DTYPE)
+    *_, normed, _ = router.moe_norm_router_route(
+        x, residual, torch.randn(256) * 0.1, 1e-6, weight, 8, 2, 0, 8, True, request
+    )
+    bits, group = request.bits, request.group
+    split = attached(normed, bits, group, 256 // group)
+    codes, corr, steps = gemv.split_x(normed.contiguous(), bits, group, 256)
+    assert torch.equal(split.codes, codes) and torch.equal(split.steps, steps)
+    if bits == 4:
+        assert torch.equal(split.corr, corr)

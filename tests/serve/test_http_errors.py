@@ -201,6 +201,9 @@ def test_wrong_method_is_a_shaped_405_naming_the_allowed_ones(make_client):
     response = make_client().get("/v1/chat/completions")
     assert openai_error(response, 405)["message"].startswith("GET /v1/chat/completions")
     assert response.headers["allow"] == "POST"
+    # every route's methods at a path: a stored response is read and deleted at one
+    put = make_client().put("/v1/responses/resp_1")
+    assert put.status_code == 405 and put.headers["allow"] == "DELETE, GET"
 
 
 def test_unknown_routes_are_shaped_404s(make_client):

@@ -130,6 +130,28 @@ def test_reasoning_and_adjacent_calls_form_one_assistant_turn_and_outputs_are_to
     assert turn.tool_calls[0].arguments == {"a": 1}
 
 
+def test_reasoning_with_no_assistant_item_after_it_is_a_turn_of_its_own():
+    """An output the limit cut while it reasoned, chained on: its reasoning is the assistant
+    turn between the two user turns, not a prefix of the next assistant turn's."""
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q1"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "cut"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q2"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r2"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "stray"}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "r"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "cut again"}]},
+    ]
+    messages = items_to_messages(items)
+    roles = ["user", "assistant", "user", "assistant", "assistant", "tool", "assistant"]
+    assert [m.role for m in messages] == roles
+    assert (messages[1].content, messages[1].reasoning) == ("", "cut")
+    assert messages[3].reasoning == "r2" and messages[3].tool_calls[0].id == "c1"
+    assert (messages[4].content, messages[4].reasoning) == ("", "stray")
+    assert (messages[6].content, messages[6].reasoning) == ("", "cut again")
+
+
 def test_a_call_output_may_be_a_list_of_text_parts(info):
     """`function_call_output.output` is a string or a list of input parts (OpenAI's spec);
     text parts are joined for the tool turn, an image is refused as message content is."""
