@@ -20,6 +20,7 @@ from ninfer.bench.profile import format_profile, profile_case
 from ninfer.bench.shapes import SHAPES
 from ninfer.bench.traffic import Traffic, artifact_formats, profile_formats
 from ninfer.engine.config import IDLE_CHUNK_FACTOR
+from ninfer.engine.engine import device_and_dtype
 from ninfer.errors import ConfigError
 
 
@@ -45,15 +46,6 @@ class BenchOptions:
     # called with each row (as a dict) as soon as it is timed, so a long run that is cut
     # short has still shown what it measured
     on_row: Callable[[dict[str, Any]], None] | None = None
-
-
-def resolve_device(options: BenchOptions) -> tuple[torch.device, torch.dtype]:
-    name = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda was asked for but no CUDA device is available")
-    dtype_name = options.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    return device, getattr(torch, dtype_name)
 
 
 # `git archive` writes the commit it archives into this file (export-subst, .gitattributes), so
@@ -133,7 +125,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise ConfigError("--expert-parallel needs --tensor-parallel >= 2")
     if ranks > 1 and options.profile:
         raise ConfigError("--profile runs on one rank: leave out --tensor-parallel")
-    device, dtype = resolve_device(options)
+    device, dtype = device_and_dtype(options.device, options.dtype)
     torch.manual_seed(options.seed)
     kv_itemsize = dtype.itemsize
     dense = "fp32" if dtype == torch.float32 else "bf16"

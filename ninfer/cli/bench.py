@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ninfer.bench.shapes import SHAPES
 from ninfer.cli.config import add_config_argument, check_choice, settings_from
@@ -232,6 +234,18 @@ class _Progress:
         print(format_row(row), file=sys.stderr, flush=True)
 
 
+def check_writable(path: str, flag: str) -> None:
+    """A file `path` can be created or replaced: its folder exists and takes writes."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{flag} {path} cannot be written")
+
+
 def run(inputs: argparse.Namespace) -> int:
     from ninfer.bench.cases import make_cases
     from ninfer.bench.run import BenchOptions, format_table, run_bench
@@ -243,6 +257,8 @@ def run(inputs: argparse.Namespace) -> int:
         prompts, gens = [512], [128]
     if args.file is None and args.shape is None:
         raise ConfigError("give a .ninfer file or --shape")
+    if args.output_file:
+        check_writable(args.output_file, "--output-file")  # before the run, not after it
     cases = make_cases(prompts, gens, args.prompt_gens, args.concurrency)
     progress = _Progress()
     report = run_bench(

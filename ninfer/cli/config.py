@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import tomllib
+import types
+import typing
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -110,8 +112,54 @@ def settings_from(cls: type[T], args: argparse.Namespace, command: str) -> T:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values = read_config_file(args.config, command, names)
+        hints = typing.get_type_hints(cls)
+        values = {name: file_value(name, value, hints[name]) for name, value in values.items()}
     for name in names:
         given = getattr(args, name, None)
         if given is not None:
             values[name] = given
     return cls(**values)
+
+
+def file_value(key: str, value: Any, hint: Any) -> Any:
+    """A file's `value` for the setting `key` of type `hint`, checked as the flag's parser
+    checks it: a bool must be true or false, an int an integer, a float a number (an integer
+    is taken), a str a string (a number is taken as its text); a list of strings or integers
+    takes one such value as a list of one, and integers also as comma-separated text. Other
+    types are the command's to check."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [arg for arg in typing.get_args(hint) if arg is not type(None)]  # no TOML null
+        if len(kinds) > 1:
+            return value
+        [hint] = kinds
+    item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r}: must be true or false")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key} = {value!r}: must be an integer")
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {value!r}: must be a number")
+        return float(value)
+    if hint is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key} = {value!r}: must be a string")
+        return str(value)
+    if item is str:
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} = {value!r}: must be a string or a list of strings")
+    if item is int:
+        if isinstance(value, str):  # comma-separated, as on the command line
+            try:
+                return [int(part) for part in value.split(",") if part.strip()]
+            except ValueError:
+                raise ConfigError(
+                    f"{key} = {value!r}: not a comma-separated list of integers"
+                ) from None
+        value = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ConfigError(f"{key} = {value!r}: must be an integer or a list of integers")
+    return value

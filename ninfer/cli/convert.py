@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 from ninfer.cli.config import add_config_argument, check_choice, require, settings_from
@@ -17,7 +18,7 @@ def _byte_count(text: str) -> int:
         value = float(text) if any(c in text for c in ".eE") else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
-    if value != int(value) or value <= 0:
+    if not math.isfinite(value) or value != int(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"not a positive whole byte count: {text!r}")
     return int(value)
 
@@ -33,7 +34,7 @@ class ConvertSettings:
     components: str | None = None  # default: text, plus mtp when the checkpoint has it
     name: str | None = None
     resource: list[str] = field(default_factory=list)
-    max_file_bytes: int = 32_000_000_000
+    max_file_bytes: int | str = 32_000_000_000  # a count, or its text (32e9)
 
     def __post_init__(self) -> None:
         check_choice("weights", self.weights, WEIGHT_PROFILES)

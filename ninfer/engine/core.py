@@ -148,6 +148,10 @@ class EngineCore:
         self._expire_waiting(now)
         for seq in self.scheduler.admit(now):
             self.sampler.reset_lane(seq.state_slot)
+        while self.scheduler.failed_admissions:
+            failed = self.scheduler.failed_admissions.pop()
+            log.error("%s", failed)
+            self._finish(failed.seq, "error", error=EngineError(str(failed)))
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             ahead = self._launch_ahead(in_flight)

@@ -33,7 +33,7 @@ from ninfer.engine.request import (
     TokenLogprob,
     Usage,
 )
-from ninfer.errors import ConfigError, EngineClosed, NinferError, QueueFull
+from ninfer.errors import ConfigError, EngineClosed, EngineError, NinferError, QueueFull
 
 if TYPE_CHECKING:
     from ninfer.chat.frontend import ChatFrontend
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ninfer.engine")
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+# Steps failing in a row before every live request is ended with the error (a failed step ends
+# its own batch's requests; one that fails again has not run a batch, so nothing else would).
+STEP_FAILURES_TO_END_ALL = 2
 
 
 def shipped_model_path() -> Path:
@@ -308,6 +311,7 @@ class Engine:
 
     def _loop(self) -> None:
         core = self.core
+        failures = 0  # steps failed in a row
         try:
             while True:
                 command = self._inbox.get() if not core.has_work else self._poll()
@@ -324,8 +328,16 @@ class Engine:
                     command = self._poll()
                 try:
                     core.step()
-                except Exception:
+                    failures = 0
+                except Exception as exc:
+                    failures += 1
                     log.exception("engine step failed; its requests were ended with an error")
+                    if failures >= STEP_FAILURES_TO_END_ALL:
+                        # a failure the step could not pin on a batch would recur forever
+                        # with its requests waiting: they are ended instead
+                        log.error("%d engine steps failed in a row: ending every request", failures)
+                        core.fail_all(EngineError(f"the engine step failed: {exc!r}"))
+                        failures = 0
         except BaseException as exc:  # a bug in the loop itself: fail everything, refuse more
             log.exception("engine thread died")
             with self._lock:
@@ -468,12 +480,31 @@ def _with_overrides(config: EngineConfig | None, overrides: dict[str, Any]) -> E
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    name = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda was asked for but no CUDA device is available")
-    dtype_name = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    return device, getattr(torch, dtype_name)
+    return device_and_dtype(config.device, config.dtype)
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype a command asked for (None: cuda when present, else cpu; bfloat16
+    on cuda, float32 on cpu), or a ConfigError naming what is wrong with them."""
+    name = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(name)
+    except (RuntimeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r}: give cpu, cuda or cuda:N")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device cuda was asked for but no CUDA device is available")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    dtype = dtype or ("bfloat16" if resolved.type == "cuda" else "float32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r}: give {', '.join(DTYPES)}")
+    return resolved, getattr(torch, dtype)
 
 
 def load_core(path: Path, config: EngineConfig) -> EngineCore:

@@ -24,6 +24,14 @@ from ninfer.engine.prefix_cache import PrefixMatch
 from ninfer.engine.sequence import Sequence, Status
 
 
+class AdmissionFailed(Exception):
+    """Starting `seq` failed: a bug or a device failure, not a shortage (`_fits` found room)."""
+
+    def __init__(self, seq: Sequence, cause: Exception) -> None:
+        super().__init__(f"starting request {seq.request_id} failed: {cause!r}")
+        self.seq = seq
+
+
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step's work: `query_lens[i]` new tokens of `seqs[i]`; `sampled[i]` says whether the
@@ -56,6 +64,7 @@ class Scheduler:
         # when nothing decodes, no stream waits on the chunk: take larger ones
         self.idle_prefill_chunk = max(prefill_chunk, idle_prefill_chunk or 0)
         self.waiting: deque[Sequence] = deque()
+        self.failed_admissions: list[AdmissionFailed] = []  # for the caller to end
         self.running: list[Sequence] = []
         self._last_was_decode = False
 
@@ -104,11 +113,21 @@ class Scheduler:
         return PrefixMatch()
 
     def _start(self, seq: Sequence, now: float) -> None:
+        """Move `seq` from waiting to running with its pages and slot; where that fails, it
+        stays waiting and holds nothing (`AdmissionFailed`), so it can be ended."""
+        try:
+            match = self.match_prefix(seq)
+            match.check(seq.prompt_len)
+            pages = self.cache.pages.allocate(seq.request_id, seq.pages_needed)
+            try:
+                slot = self.cache.slots.allocate(seq.request_id)
+            except BaseException:
+                self.cache.pages.free(pages)
+                raise
+        except Exception as exc:
+            raise AdmissionFailed(seq, exc) from exc
         self.waiting.remove(seq)
-        match = self.match_prefix(seq)
-        match.check(seq.prompt_len)
-        seq.pages = self.cache.pages.allocate(seq.request_id, seq.pages_needed)
-        seq.state_slot = self.cache.slots.allocate(seq.request_id)
+        seq.pages, seq.state_slot = pages, slot
         seq.advance(match.cached_tokens)
         seq.cached_tokens = match.cached_tokens
         seq.status = Status.RUNNING
@@ -137,17 +156,24 @@ class Scheduler:
         return seq.worst_case_steps(self.prefill_chunk) <= steps
 
     def admit(self, now: float) -> list[Sequence]:
+        """Start the waiting requests that fit, in order (and later ones that cannot delay the
+        first); returns those started. One whose start fails stops admission for this step
+        and is left, still waiting, in `failed_admissions` for the caller to end."""
         started: list[Sequence] = []
-        while self.waiting and self._fits(self.waiting[0]):
-            started.append(self.waiting[0])
-            self._start(self.waiting[0], now)
-        if not self.waiting or not self.running:
-            return started
-        head = self.waiting[0]
-        for seq in list(self.waiting)[1:]:
-            if self._fits(seq) and self._can_backfill(head, seq):
-                started.append(seq)
+        try:
+            while self.waiting and self._fits(self.waiting[0]):
+                seq = self.waiting[0]
                 self._start(seq, now)
+                started.append(seq)
+            if not self.waiting or not self.running:
+                return started
+            head = self.waiting[0]
+            for seq in list(self.waiting)[1:]:
+                if self._fits(seq) and self._can_backfill(head, seq):
+                    self._start(seq, now)
+                    started.append(seq)
+        except AdmissionFailed as failed:
+            self.failed_admissions.append(failed)
         return started
 
     # ---- planning ----------------------------------------------------------------------

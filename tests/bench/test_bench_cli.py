@@ -120,6 +120,27 @@ def test_a_file_or_a_shape_is_required(capsys):
     assert "--shape" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--device", "tpu"), "device 'tpu': give cpu, cuda or cuda:N"),
+        (("--device", "meta"), "device 'meta': give cpu, cuda or cuda:N"),
+        (("--output-file", "."), "--output-file . is a directory"),
+        (("--output-file", "no/such/folder/b.json"), "no directory no/such/folder"),
+    ],
+)
+def test_a_bad_device_or_output_file_is_one_line_before_anything_runs(
+    capsys, monkeypatch, extra, message
+):
+    from ninfer.bench import run as bench_run
+
+    ran = []
+    monkeypatch.setattr(bench_run, "_time_cases", lambda *a, **k: ran.append(1))
+    assert main(["bench", "--shape", "tiny", "-n", "2", *extra]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not ran
+
+
 def test_rows_count_decode_steps_for_tg_and_prefill_steps_for_pp():
     traffic = Traffic(SHAPES["tiny"], profile_formats(SHAPES["tiny"], "bf16"))
     ceilings = Ceilings(copy_bytes_per_s=1e9, matmul_flops_per_s=1e9, matmul_dtype="float32")

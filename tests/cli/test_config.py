@@ -100,12 +100,30 @@ def test_bench_takes_lists_and_counts_from_the_file_and_flags_win(tmp_path):
         ("[bench]\nprompt_gens = [[1, 2, 3]]\n", "-pg takes PROMPT,GEN"),
         ('[convert]\nweights = "q4"\n', "weights = 'q4': choose from bf16"),
         ("[convert]\nmax-file-bytes = 0\n", "max-file-bytes: not a positive whole byte count"),
+        ("[convert]\nmax-file-bytes = 1e999\n", "byte count"),
+        # the flags' types: a wrong one is named, not taken for another value or a crash
+        ("[run]\nmax_tokens = 2.5\n", "max_tokens = 2.5: must be an integer"),
+        ('[run]\ngreedy = "false"\n', "greedy = 'false': must be true or false"),
+        ('[run]\ntemperature = "hot"\n', "temperature = 'hot': must be a number"),
+        ("[run]\nmax_tokens = true\n", "max_tokens = True: must be an integer"),
+        ("[run]\nstop = [1]\n", "stop = \\[1\\]: must be a string or a list of strings"),
+        ('[run]\nstop_token_id = "5,x"\n', "not a comma-separated list of integers"),
+        ('[bench]\nrepetitions = "1"\n', "repetitions = '1': must be an integer"),
+        ("[inspect]\nfile = [5]\n", "file = \\[5\\]: must be a string"),
     ],
 )
 def test_file_values_are_checked_like_the_flags(tmp_path, text, message):
     command = text[1 : text.index("]")]
     with pytest.raises(ConfigError, match=message):
         settings(command, toml(tmp_path, text))
+
+
+def test_a_lone_value_of_a_list_setting_is_a_list_of_one(tmp_path):
+    """`stop = "```python"` is one stop string, not one per character."""
+    config = toml(tmp_path, '[run]\nstop = "```python"\nstop_token_id = 7\ntemperature = 1\n')
+    s = settings("run", config)
+    assert (s.stop, s.stop_token_id, s.temperature) == (["```python"], [7], 1.0)
+    assert settings("bench", toml(tmp_path, '[bench]\npeer = "hf"\n')).peer == ["hf"]
 
 
 def test_one_file_serves_every_command_each_skipping_the_others_keys(tmp_path):
@@ -142,3 +160,12 @@ def test_a_table_that_is_not_a_command_is_an_error(tmp_path):
     config = toml(tmp_path, "[srve]\nport = 9000\n")
     with pytest.raises(ConfigError, match=r"\[srve\] .*bench, convert, inspect, run, serve"):
         settings("serve", config)
+
+
+def test_a_byte_count_past_the_floats_is_refused_not_an_overflow():
+    import argparse
+
+    from ninfer.cli.convert import _byte_count
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not a positive whole byte count"):
+        _byte_count("1e999")

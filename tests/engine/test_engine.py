@@ -11,7 +11,13 @@ import pytest
 
 import ninfer
 from ninfer.engine.request import GenerationRequest, SamplingParams, TokenEvent
-from ninfer.errors import ContextLengthExceeded, EngineClosed, QueueFull, QueueTimeout
+from ninfer.errors import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineError,
+    QueueFull,
+    QueueTimeout,
+)
 
 GREEDY = SamplingParams.greedy(max_tokens=8, ignore_eos=True)
 
@@ -93,6 +99,45 @@ def test_pending_deadline_fails_a_request_that_never_started(artifact_path):
         with pytest.raises(QueueTimeout):
             waiting.result()
         assert len(long.result().token_ids) == 300
+
+
+def test_a_request_whose_start_fails_ends_with_the_error_and_the_next_runs(engine, monkeypatch):
+    """Its start fails after its pages were taken (a bug or a device failure): it ends with an
+    EngineError, holding nothing (the fixture checks every page is back), and the engine
+    serves the next request."""
+    slots = engine.core.cache.slots
+    allocate = slots.allocate
+    calls = []
+
+    def fails_once(owner):
+        calls.append(owner)
+        if len(calls) == 1:
+            raise TypeError("a slot allocation that fails")
+        return allocate(owner)
+
+    monkeypatch.setattr(slots, "allocate", fails_once)
+    with pytest.raises(EngineError, match="a slot allocation that fails"):
+        engine.generate([5, 6, 7], GREEDY)
+    assert len(engine.generate([5, 6, 7], GREEDY).token_ids) == 8
+
+
+def test_steps_that_keep_failing_end_the_requests_instead_of_hanging(engine, monkeypatch):
+    """A failure the step cannot pin on a batch, twice in a row: every live request ends with
+    it, and the engine stays up."""
+    step = engine.core.step
+    failing = [True]
+
+    def broken_step():
+        if failing[0]:
+            raise RuntimeError("a step that fails before any batch")
+        return step()
+
+    monkeypatch.setattr(engine.core, "step", broken_step)
+    handle = engine.submit(GenerationRequest([1, 2], GREEDY))
+    with pytest.raises(EngineError, match="a step that fails before any batch"):
+        handle.result()
+    failing[0] = False
+    assert len(engine.generate([1, 2], GREEDY).token_ids) == 8
 
 
 def test_abort_from_another_thread_ends_the_stream(engine):
