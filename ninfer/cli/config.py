@@ -71,8 +71,10 @@ def read_config_file(path: str | Path, command: str, known: set[str]) -> dict[st
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
     keys = command_keys()
     others = set().union(*(k for name, k in keys.items() if name != command))
     known_list = ", ".join(sorted(known))

@@ -266,6 +266,19 @@ def test_bad_input_gives_one_line_error_and_no_output(
     assert list(out.parent.iterdir()) == []
 
 
+def test_a_checkpoint_file_that_is_a_directory_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    """The system's error for a path the command reads (here `tokenizer.json`), on one line."""
+    checkpoint = tiny_checkpoint(tokenizer=False, vocab=128, layers=2)
+    (checkpoint / "tokenizer.json").mkdir()
+    out = tmp_path / "x.ninfer"
+    capsys.readouterr()
+    argv = ["convert", "--model", str(checkpoint), "--recipe", "qwen3_5", "--out", str(out)]
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ninfer convert: error:") and err.count("\n") == 1
+    assert "tokenizer.json" in err and "Traceback" not in err
+
+
 def test_failure_while_writing_removes_entry_parts_and_report(tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint(tokenizer=False, vocab=128, layers=2)
     shard = checkpoint / "model.safetensors"

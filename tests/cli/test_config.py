@@ -169,3 +169,12 @@ def test_a_byte_count_past_the_floats_is_refused_not_an_overflow():
 
     with pytest.raises(argparse.ArgumentTypeError, match="not a positive whole byte count"):
         _byte_count("1e999")
+
+
+def test_a_config_that_is_a_directory_or_not_utf8_is_one_error(tmp_path):
+    (tmp_path / "folder.toml").mkdir()
+    with pytest.raises(ConfigError, match="is a directory"):
+        settings("bench", tmp_path / "folder.toml")
+    (tmp_path / "latin1.toml").write_bytes(b'stop = ["\xe9"]\n')
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        settings("run", tmp_path / "latin1.toml")
