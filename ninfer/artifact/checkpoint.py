@@ -39,9 +39,14 @@ class Checkpoint:
                 raise ConversionError(f"{path}: missing")
             return None
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConversionError(f"{path}: invalid JSON ({exc})") from None
+        except IsADirectoryError:
+            raise ConversionError(f"{path}: a directory, not a JSON file") from None
+        if not isinstance(data, dict):
+            raise ConversionError(f"{path}: not a JSON object")
+        return data
 
     def _map_keys(self) -> dict[str, Path]:
         index = self._read_json(INDEX_NAME)
@@ -86,7 +91,13 @@ class Checkpoint:
         return self._handles[path]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(key).get_slice(key).get_shape())
+        handle = self._handle(key)
+        try:
+            return tuple(handle.get_slice(key).get_shape())
+        except Exception as exc:  # e.g. an index that names the wrong shard for the key
+            raise ConversionError(
+                f"{self.key_to_file[key]}: cannot read tensor {key!r} ({exc})"
+            ) from None
 
     def load(self, key: str) -> torch.Tensor:
         try:

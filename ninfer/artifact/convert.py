@@ -23,7 +23,7 @@ from ninfer.artifact.container import (
     move_no_overwrite,
 )
 from ninfer.artifact.recipes import ConversionPlan, TensorPlan, load_recipe
-from ninfer.errors import ConversionError
+from ninfer.errors import ConversionError, NinferError
 from ninfer.quant import EncodedTensor, WeightFormat, get_format
 from ninfer.quant.groupwise import ENCODER, GroupwiseIntFormat
 
@@ -65,7 +65,16 @@ def convert(
         raise ConversionError(f"{out.parent}: output directory does not exist")
     checkpoint = Checkpoint(model_dir)
     recipe_obj = load_recipe(recipe)
-    plan = recipe_obj.plan(checkpoint, components, weights)
+    try:
+        plan = recipe_obj.plan(checkpoint, components, weights)
+    except NinferError:
+        raise
+    except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+        # what a malformed config.json or index makes of the recipe's reading of it
+        raise ConversionError(
+            f"{model_dir}: the {recipe} recipe cannot read this checkpoint's config or tensors "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     warnings = list(plan.warnings)
 
     resource_bytes = _collect_resources(checkpoint, resources or {}, warnings)

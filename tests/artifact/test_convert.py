@@ -222,6 +222,20 @@ def test_recipe_from_a_python_file(tiny_checkpoint, tmp_path):
     assert_decodes_back(artifact, expected_tensors(checkpoint))
 
 
+def edit_config(checkpoint, **changes):
+    """Set (or, with None, remove) keys of the checkpoint's config, in its text part where it
+    has one."""
+    path = checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    target = config.get("text_config", config)
+    for key, value in changes.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    path.write_text(json.dumps(config))
+
+
 def drop_key(checkpoint, key):
     shard = checkpoint / "model.safetensors"
     tensors = load_file(shard)
@@ -242,6 +256,13 @@ def drop_key(checkpoint, key):
         ),
         ("qwen3_5", lambda c: (c / "config.json").unlink(), "config.json: missing"),
         ("qwen3_5", lambda c: (c / "config.json").write_text("{"), "config.json: invalid JSON"),
+        ("qwen3_5", lambda c: (c / "config.json").write_text("[1, 2]"), "not a JSON object"),
+        ("qwen3_5", lambda c: edit_config(c, layer_types=5), "cannot read this checkpoint"),
+        (
+            "qwen3_5",
+            lambda c: edit_config(c, layer_types=None, full_attention_interval=0),
+            "cannot read this checkpoint",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_error_and_no_output(
@@ -319,3 +340,9 @@ def test_components_mtp_without_mtp_tensors_is_an_error(tiny_checkpoint, tmp_pat
     checkpoint = tiny_checkpoint(tokenizer=False, vocab=128, layers=2)
     with pytest.raises(ConversionError, match="no tensor 'mtp.fc.weight'"):
         convert(checkpoint, "qwen3_5", tmp_path / "x.ninfer", components={"text", "mtp"})
+
+
+def test_a_recipe_path_that_is_not_python_is_refused(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint(tokenizer=False, vocab=128, layers=2)
+    with pytest.raises(ConversionError, match=r"a recipe file is a Python file \(\.py\)"):
+        convert(checkpoint, str(checkpoint / "config.json"), tmp_path / "x.ninfer")

@@ -76,6 +76,8 @@ def load_recipe(spec: str) -> Recipe:
         path = Path(spec)
         if not path.is_file():
             raise ConversionError(f"{path}: recipe file not found")
+        if path.suffix != ".py":
+            raise ConversionError(f"{path}: a recipe file is a Python file (.py)")
         module_spec = importlib.util.spec_from_file_location(f"ninfer_recipe_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:
