@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 
 from ninfer.cli.config import add_config_argument, require, settings_from
@@ -74,18 +75,18 @@ def run(inputs: argparse.Namespace) -> int:
     require(args, file="FILE")
     artifact = Artifact.open(args.file)
     root = artifact.root
-    if args.json:
+    if args.json:  # stdout stays one JSON document: the header holds objects and bindings
         print(json.dumps(root, indent=2))
     else:
         print("\n".join(_summary(artifact)))
-    if args.objects:
+    if args.objects and not args.json:
         for obj in root["objects"]:
             if obj["kind"] == "tensor":
                 what = f"{obj['format']:<20} {str(obj['shape']):<20}"
             else:
                 what = f"{'resource':<20} {'':<20}"
             print(f"{obj['offset']:>14} {obj['bytes']:>12} {what} {obj['id']}")
-    if args.bindings:
+    if args.bindings and not args.json:
         for name, binding in root["bindings"].items():
             target = binding.get("object") or ", ".join(
                 f"{p['object']}[{p['range'][0]}:{p['range'][1]}]" for p in binding["parts"]
@@ -93,5 +94,7 @@ def run(inputs: argparse.Namespace) -> int:
             print(f"{name} -> {target}")
     if args.verify:
         checked = artifact.verify()
-        print(f"verified {checked} objects: checksums match")
+        print(
+            f"verified {checked} objects: checksums match", file=sys.stderr if args.json else None
+        )
     return 0

@@ -85,8 +85,10 @@ class SamplingParams:
             raise bad("max_tokens", self.max_tokens, "must be >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):  # its 64 bits key the sampling: a wider one would repeat a narrower one's
+            raise bad("seed", self.seed, "must be a 64-bit integer, signed or unsigned")
         for name, values in (("stop", self.stop), ("reasoning_stop", self.reasoning_stop)):
             if any(not isinstance(s, str) or not s for s in values):
                 raise bad(name, list(values), "stop strings must be non-empty strings")

@@ -402,3 +402,9 @@ def test_inspect_prints_summary_objects_bindings_and_json(tmp_path, capsys):
     assert "verified 8 objects" in out
     assert cli_main(["inspect", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["metadata"] == {"name": "sample"}
+    # with --json, stdout stays one JSON document whatever else is asked
+    argv = ["inspect", str(path), "--json", "--objects", "--bindings", "--verify"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["metadata"] == {"name": "sample"}
+    assert "verified 8 objects" in printed.err

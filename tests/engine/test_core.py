@@ -217,6 +217,9 @@ def test_invalid_requests_are_rejected_before_queueing(make_core):
         core.add(GenerationRequest([1, 10_000]), lambda e: None)
     with pytest.raises(InvalidRequestError, match="top_p"):
         core.add(GenerationRequest([1], SamplingParams(top_p=0)), lambda e: None)
+    for seed in (2**64, -(2**63) - 1):  # would repeat a 64-bit seed's tokens
+        with pytest.raises(InvalidRequestError, match="64-bit integer"):
+            core.add(GenerationRequest([1], SamplingParams(seed=seed)), lambda e: None)
     assert not core.has_work
 
 
