@@ -191,16 +191,41 @@ def _log(message: str) -> None:
 
 def _read_messages(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise NinferError(f"cannot read --messages file: {exc}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise NinferError(f"--messages {path} is not valid JSON: {exc}") from None
     if isinstance(data, list):
-        return data, None
-    if isinstance(data, dict) and isinstance(data.get("messages"), list):
-        return data["messages"], data.get("tools")
-    raise NinferError(f"--messages {path} must hold a list of messages or {{messages, tools}}")
+        messages, tools = data, None
+    elif isinstance(data, dict) and isinstance(data.get("messages"), list):
+        messages, tools = data["messages"], data.get("tools")
+    else:
+        raise NinferError(f"--messages {path} must hold a list of messages or {{messages, tools}}")
+    messages = [_text_message(m, f"--messages {path}: message {i}") for i, m in enumerate(messages)]
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)
+    ):
+        raise NinferError(f"--messages {path}: 'tools' must be a list of objects")
+    return messages, tools
+
+
+def _text_message(message: Any, where: str) -> dict[str, Any]:
+    """A message with a string role and text content: a string, or a list of text parts
+    (joined, as the Qwen templates join them, so any template renders them); none at all only
+    beside tool calls. Other content (an image, a number) a template would drop without a
+    word."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise NinferError(f"{where} is not an object with a string 'role'")
+    content = message.get("content")
+    if isinstance(content, str) or (content is None and message.get("tool_calls")):
+        return message
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return {**message, "content": "".join(part["text"] for part in content)}
+    raise NinferError(f"{where}: 'content' must be text (a string or a list of text parts)")
 
 
 def _engine_config(args: RunSettings):

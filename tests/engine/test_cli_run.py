@@ -3,6 +3,8 @@ goes to stdout and everything else to stderr."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -61,6 +63,38 @@ def test_prompt_is_rendered_and_the_answer_alone_is_on_stdout(artifact_path, cap
     assert "loading" not in out and "finish" not in out
     assert "loading" in err and "prefill" in err and "tok/s" in err
     assert out.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "content",
+        ),
+        ([{"role": "user", "content": 5}], "'content' must be text"),
+        ([{"role": "user"}], "'content' must be text"),
+        (["hi"], "not an object with a string 'role'"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [1]}, "'tools'"),
+    ],
+)
+def test_messages_the_template_would_drop_are_one_line_errors(
+    artifact_path, capsys, tmp_path, messages, message
+):
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(messages))
+    code, _, err = run_cli(capsys, str(artifact_path), "--messages", str(path), "--max-tokens", "2")
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"ninfer run: error: --messages {path}") and message in last
+
+
+def test_text_parts_are_text(artifact_path, capsys, tmp_path):
+    path = tmp_path / "messages.json"
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]
+    path.write_text(json.dumps([{"role": "user", "content": parts}]))
+    code, _, _ = run_cli(capsys, str(artifact_path), "--messages", str(path), "--max-tokens", "2")
+    assert code == 0
 
 
 def test_stop_token_id_ends_the_output_and_is_reported(artifact_path, capsys):
