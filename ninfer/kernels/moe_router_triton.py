@@ -202,7 +202,7 @@ def moe_router_route(
         logits = F.linear(x, router_weight)
         return moe_route(logits[:, :num_experts], top_k, x.dtype, first, count, shared), logits
     args = (num_experts, top_k, first, count, shared, stages)
-    return _launch(x, router_weight, counters, *args, x, {})
+    return _launch(x, router_weight, counters, *args)
 
 
 def moe_norm_router_route(
@@ -273,17 +273,17 @@ def _launch(
     count: int,
     shared: bool,
     stages: tuple[bool, bool, bool],
-    norm: tuple | torch.Tensor,
-    norm_constants: dict,
+    norm: tuple | None = None,
+    norm_constants: dict | None = None,
 ) -> tuple[Routes, torch.Tensor]:
-    """The kernel over x's tokens; `norm`: the norm's arguments (residual ... split buffers),
-    or a tensor to stand for each where there is no norm (then NORM is off)."""
+    """The kernel over x's tokens; `norm`: the norm's arguments (residual ... split buffers)
+    and their constants, or None (NORM off; x stands for each pointer)."""
     tokens, hidden = x.shape
     num_rows = router_weight.shape[0]
     logits = torch.empty(tokens, num_rows, dtype=x.dtype, device=x.device)
     routes = empty_routes(tokens, top_k, x.dtype, x.device, shared)
-    if isinstance(norm, torch.Tensor):
-        norm = (norm, 0, norm, 0.0, norm, norm, norm, norm, norm)
+    if norm is None:
+        norm = (x, 0, x, 0.0, x, x, x, x, x)
         norm_constants = {"NORM": False, "BLOCK_H": 1, "SPLIT_BITS": 0, "SPLIT_GROUP": 1}
         norm_constants["SPLIT_BLOCK_G"] = 1
     if tokens:
