@@ -15,7 +15,10 @@ planes and never leave registers as floats. Two kernels:
   row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
   once per row, so only one row takes it in decode. For a GDN layer's in projection the
   kernel also runs the causal conv of the q|k|v outputs (`integer_linear_conv`): each program
-  reads its channels' taps and window before the product and finishes its rows alone.
+  reads its channels' taps and window before the product and finishes its rows alone. A
+  program that reads its rows in one step asks for its codes and scales before it waits for
+  the kernel before it (`INT_WEIGHTS_BEFORE_WAIT`), so that their memory round trip overlaps
+  that kernel instead of following it.
 - more x rows (x padded to 16 rows), on the tensor cores. By default (`TC_SCALE_AFTER`) each
   group's codes enter the product as exact integers in x's dtype (q4 with bf16 x through inline
   PTX, three instructions per two values) and each group's product is multiplied by its scale
@@ -95,6 +98,13 @@ INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).
 INT_STAGES = 3
+# A program that reads its rows in one step reads its codes and scales before it waits for the
+# kernel before it (`pdl_triton.READ_BEFORE_WAIT`; no kernel writes weights), in a dense
+# product or the experts' down one (its pairs come from the routing two kernels back). Where
+# the loop has later steps this held up the loop's first loads behind the first step's
+# arithmetic (the 27B C=1 step 5.30 -> 5.58 ms on the GPU machine; computing that step after
+# the loop instead took 96-152 registers against 56-80 and was slower still).
+INT_WEIGHTS_BEFORE_WAIT = True
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
 # Products that split K and the fused router (`moe_router_triton`, a counter per token) share
@@ -639,6 +649,130 @@ def _q6_words(low_words, high_halves):
 
 
 @triton.jit
+def _program_pair(
+    col, rows, N, x_rows_ptr, experts_ptr, GATHER: tl.constexpr, THROUGH_L2: tl.constexpr
+):
+    """(x row, expert, row mask) of the integer kernel's program column `col`: with GATHER its
+    token-expert pair (a padding pair, x row < 0, reads row 0 of x and writes nothing), read
+    through the L2 when THROUGH_L2 (before the wait: an SM's L1 may hold the lists of a step
+    ago); else x row `col` of a dense weight."""
+    if GATHER:
+        if THROUGH_L2:
+            m = tl.load(x_rows_ptr + col, cache_modifier=".cg").to(tl.int64)
+            expert = tl.load(experts_ptr + col, cache_modifier=".cg").to(tl.int64)
+        else:
+            m = tl.load(x_rows_ptr + col).to(tl.int64)
+            expert = tl.load(experts_ptr + col).to(tl.int64)
+        row_mask = (rows < N) & (m + tl.zeros_like(rows).to(tl.int64) >= 0)
+        m = tl.maximum(m, 0)
+    else:
+        m = col.to(tl.int64)
+        expert = tl.zeros_like(m)
+        row_mask = rows < N
+    return m, expert, row_mask
+
+
+@triton.jit
+def _weight_step(
+    word_rows,
+    high_rows,
+    scale_rows,
+    start,
+    row_mask,
+    num_words,
+    num_groups,
+    BITS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    WORDS_PER_GROUP: tl.constexpr,
+):
+    """The weight's part of the integer kernel's step at code word `start`: (code words,
+    q6's high halves or the words again, the groups' scales in fp32)."""
+    cols = start + tl.arange(0, BLOCK_WORDS)
+    mask = row_mask[:, None] & (cols < num_words)[None, :]
+    w = tl.load(word_rows + cols[None, :], mask=mask)
+    high = tl.load(high_rows + cols[None, :], mask=mask) if BITS == 6 else w
+    groups = start // WORDS_PER_GROUP + tl.arange(0, BLOCK_WORDS // WORDS_PER_GROUP)
+    g_mask = row_mask[:, None] & (groups < num_groups)[None, :]
+    w_scale = tl.load(scale_rows + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
+    return w, high, w_scale
+
+
+@triton.jit
+def _int_step(
+    acc,
+    w,
+    high_w,
+    w_scale,
+    start,
+    m,
+    x_words,
+    level,
+    num_words,
+    num_groups,
+    corr_ptr,
+    xscale_ptr,
+    even_coarse,
+    even_fine,
+    odd_coarse,
+    odd_fine,
+    own_corr,
+    own_step,
+    BITS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    WORDS_PER_GROUP: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """acc + the integer kernel's step at code word `start` over the weight's part
+    (`_weight_step`) and x's codes: read per step, or with SWIGLU the row's own split."""
+    cols = start + tl.arange(0, BLOCK_WORDS)
+    col_mask = cols < num_words
+    if SWIGLU:
+        x_coarse = tl.reshape(even_coarse, [BLOCK_WORDS])[None, :]
+        x_fine = tl.reshape(even_fine, [BLOCK_WORDS])[None, :]
+    else:
+        x_coarse = tl.load(x_words + cols, mask=col_mask, other=0)[None, :]
+        x_fine = tl.load(x_words + level + cols, mask=col_mask, other=0)[None, :]
+    if BITS != 8:
+        if BITS == 4:
+            low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
+            high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
+        else:
+            low, high = _q6_words(w, high_w)
+        if SWIGLU:
+            xo_coarse = tl.reshape(odd_coarse, [BLOCK_WORDS])[None, :]
+            xo_fine = tl.reshape(odd_fine, [BLOCK_WORDS])[None, :]
+        else:
+            odd = x_words + num_words + cols
+            xo_coarse = tl.load(odd, mask=col_mask, other=0)[None, :]
+            xo_fine = tl.load(odd + level, mask=col_mask, other=0)[None, :]
+        coarse = _int_dot(high, xo_coarse, _int_dot(low, x_coarse, 0, False, ASM), False, ASM)
+        fine = _int_dot(high, xo_fine, _int_dot(low, x_fine, 0, False, ASM), False, ASM)
+    else:
+        coarse = _int_dot(w, x_coarse, 0, True, ASM)
+        fine = _int_dot(w, x_fine, 0, True, ASM)
+    per_word = coarse * FINE + fine
+    group_sums = tl.sum(
+        tl.reshape(per_word, [BLOCK_N, BLOCK_WORDS // WORDS_PER_GROUP, WORDS_PER_GROUP]), axis=2
+    )
+    groups = start // WORDS_PER_GROUP + tl.arange(0, BLOCK_WORDS // WORDS_PER_GROUP)
+    g_mask = groups < num_groups
+    x_groups = m * num_groups + groups
+    if SWIGLU:
+        if BITS == 4:
+            group_sums -= own_corr[None, :]
+        x_scale = own_step
+    else:
+        if BITS == 4:
+            group_sums -= tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
+        elif BITS == 6:  # u = code + 32: four times q4's correction
+            group_sums -= 4 * tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
+        x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
+    return acc + tl.sum(group_sums.to(tl.float32) * (x_scale[None, :] * w_scale), axis=1)
+
+
+@triton.jit
 def _groupwise_gemv_int_kernel(
     xq_ptr,
     corr_ptr,
@@ -676,6 +810,7 @@ def _groupwise_gemv_int_kernel(
     BLOCK_WORDS: tl.constexpr,
     STAGES: tl.constexpr,
     ASM: tl.constexpr,
+    WEIGHTS_BEFORE_WAIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[c, rows] = W x[c] for x row c = program column, or, when GATHER, out[c, rows] =
@@ -694,19 +829,33 @@ def _groupwise_gemv_int_kernel(
     BITS 6 (q6_g64; not with GATHER, SWIGLU or CONV): words_ptr is the low plane, laid out
     as q4's, and high_ptr the two high bits of each value, 16 bits per low word; x is split as
     for q4."""
-    await_inputs(PDL)
     pid_n = tl.program_id(0)
     col = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if GATHER:
-        m = tl.load(x_rows_ptr + col).to(tl.int64)
-        expert = tl.load(experts_ptr + col).to(tl.int64)
-        row_mask = (rows < N) & (m + tl.zeros([BLOCK_N], tl.int64) >= 0)
-        m = tl.maximum(m, 0)  # a padding pair reads row 0 of x and writes nothing
+    # q6's low plane is q4's: x is split as for q4 and the words hold eight values
+    parities: tl.constexpr = 1 if BITS == 8 else 2
+    words_per_group: tl.constexpr = GROUP * (4 if BITS == 6 else BITS) // 32
+    word_rows = words_ptr + rows[:, None].to(tl.int64) * stride_words
+    high_rows = high_ptr + rows[:, None].to(tl.int64) * stride_high
+    scale_rows = scales_ptr + rows[:, None].to(tl.int64) * stride_scales
+    if WEIGHTS_BEFORE_WAIT:
+        # No kernel writes the weights, and a gathered product's pairs come from the routing
+        # two kernels back (the experts' down product, after their gate|up one): the first
+        # step's codes and scales are read before the wait (`pdl_triton.READ_BEFORE_WAIT`),
+        # so that their memory round trip overlaps the kernel before this one.
+        m, expert, row_mask = _program_pair(col, rows, N, x_rows_ptr, experts_ptr, GATHER, True)
+        word_rows += expert * stride_we
+        scale_rows += expert * stride_se
+        first_w, first_high, first_scale = _weight_step(
+            word_rows, high_rows, scale_rows, 0, row_mask, num_words, num_groups,
+            BITS, BLOCK_WORDS, words_per_group,
+        )  # fmt: skip
+        await_inputs(PDL)
     else:
-        m = col.to(tl.int64)
-        expert = 0
-        row_mask = rows < N
+        await_inputs(PDL)
+        m, expert, row_mask = _program_pair(col, rows, N, x_rows_ptr, experts_ptr, GATHER, False)
+        word_rows += expert * stride_we
+        scale_rows += expert * stride_se
     if CONV:
         conv_rows = row_mask & (rows < conv_channels)
         slot = tl.load(state_slots_ptr).to(tl.int64)
@@ -719,9 +868,6 @@ def _groupwise_gemv_int_kernel(
         tap_1 = tl.load(taps + 1, mask=conv_rows, other=0.0).to(tl.float32)
         tap_2 = tl.load(taps + 2, mask=conv_rows, other=0.0).to(tl.float32)
         tap_3 = tl.load(taps + 3, mask=conv_rows, other=0.0).to(tl.float32)
-    # q6's low plane is q4's: x is split as for q4 and the words hold eight values
-    parities: tl.constexpr = 1 if BITS == 8 else 2
-    words_per_group: tl.constexpr = GROUP * (4 if BITS == 6 else BITS) // 32
     level = parities * num_words
     x_words = xq_ptr + m * (2 * level)
     if SWIGLU:
@@ -740,63 +886,28 @@ def _groupwise_gemv_int_kernel(
         else:
             even_coarse = tl.reshape(own_coarse, [row_groups, words_per_group])
             even_fine = tl.reshape(own_fine, [row_groups, words_per_group])
-    word_rows = words_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_words
-    high_rows = high_ptr + rows[:, None].to(tl.int64) * stride_high
-    scale_rows = scales_ptr + expert * stride_se + rows[:, None].to(tl.int64) * stride_scales
+            odd_coarse, odd_fine = 0, 0
+    else:  # x's codes are read per step
+        even_coarse, even_fine, odd_coarse, odd_fine, own_corr, own_step = 0, 0, 0, 0, 0, 0
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=STAGES):
-        cols = start + tl.arange(0, BLOCK_WORDS)
-        col_mask = cols < num_words
-        w = tl.load(word_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :])
-        if SWIGLU:
-            x_coarse = tl.reshape(even_coarse, [BLOCK_WORDS])[None, :]
-            x_fine = tl.reshape(even_fine, [BLOCK_WORDS])[None, :]
-        else:
-            x_coarse = tl.load(x_words + cols, mask=col_mask, other=0)[None, :]
-            x_fine = tl.load(x_words + level + cols, mask=col_mask, other=0)[None, :]
-        if BITS != 8:
-            if BITS == 4:
-                low = (w ^ -0x77777778) & 0x0F0F0F0F  # u = code + 8 of the even values
-                high = ((w >> 4) ^ 0x08080808) & 0x0F0F0F0F  # ... and of the odd values
-            else:
-                low, high = _q6_words(
-                    w,
-                    tl.load(high_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :]),
-                )
-            if SWIGLU:
-                xo_coarse = tl.reshape(odd_coarse, [BLOCK_WORDS])[None, :]
-                xo_fine = tl.reshape(odd_fine, [BLOCK_WORDS])[None, :]
-            else:
-                odd = x_words + num_words + cols
-                xo_coarse = tl.load(odd, mask=col_mask, other=0)[None, :]
-                xo_fine = tl.load(odd + level, mask=col_mask, other=0)[None, :]
-            coarse = _int_dot(high, xo_coarse, _int_dot(low, x_coarse, 0, False, ASM), False, ASM)
-            fine = _int_dot(high, xo_fine, _int_dot(low, x_fine, 0, False, ASM), False, ASM)
-        else:
-            coarse = _int_dot(w, x_coarse, 0, True, ASM)
-            fine = _int_dot(w, x_fine, 0, True, ASM)
-        per_word = coarse * FINE + fine
-        group_sums = tl.sum(
-            tl.reshape(per_word, [BLOCK_N, BLOCK_WORDS // words_per_group, words_per_group]),
-            axis=2,
-        )
-        groups = start // words_per_group + tl.arange(0, BLOCK_WORDS // words_per_group)
-        g_mask = groups < num_groups
-        x_groups = m * num_groups + groups
-        if SWIGLU:
-            if BITS == 4:
-                group_sums -= own_corr[None, :]
-            x_scale = own_step
-        else:
-            if BITS == 4:
-                group_sums -= tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
-            elif BITS == 6:  # u = code + 32: four times q4's correction
-                group_sums -= 4 * tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
-            x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
-        w_scale = tl.load(
-            scale_rows + groups[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0.0
-        ).to(tl.float32)
-        acc += tl.sum(group_sums.to(tl.float32) * (x_scale[None, :] * w_scale), axis=1)
+    if WEIGHTS_BEFORE_WAIT:
+        acc = _int_step(
+            acc, first_w, first_high, first_scale, 0, m, x_words, level, num_words,
+            num_groups, corr_ptr, xscale_ptr, even_coarse, even_fine, odd_coarse, odd_fine,
+            own_corr, own_step, BITS, SWIGLU, BLOCK_N, BLOCK_WORDS, words_per_group, ASM,
+        )  # fmt: skip
+    for start in tl.range(
+        BLOCK_WORDS if WEIGHTS_BEFORE_WAIT else 0, num_words, BLOCK_WORDS, num_stages=STAGES
+    ):
+        w, high_w, w_scale = _weight_step(
+            word_rows, high_rows, scale_rows, start, row_mask, num_words, num_groups,
+            BITS, BLOCK_WORDS, words_per_group,
+        )  # fmt: skip
+        acc = _int_step(
+            acc, w, high_w, w_scale, start, m, x_words, level, num_words,
+            num_groups, corr_ptr, xscale_ptr, even_coarse, even_fine, odd_coarse, odd_fine,
+            own_corr, own_step, BITS, SWIGLU, BLOCK_N, BLOCK_WORDS, words_per_group, ASM,
+        )  # fmt: skip
     out = acc.to(out_ptr.dtype.element_ty)
     if CONV:
         # the conv kernel's sum: taps in order, the window's three entries then the new input
@@ -942,6 +1053,9 @@ def _int_linear(
         BLOCK_WORDS=block_words,
         STAGES=INT_STAGES,
         ASM=not INTERPRETED,
+        WEIGHTS_BEFORE_WAIT=INT_WEIGHTS_BEFORE_WAIT
+        and block_words >= num_words
+        and (swiglu or not gather),
         num_warps=INT_WARPS,
         # the plain kernel's registers for sm_90 (ptxas): the conv's taps and window, read
         # before the loop, would take 72, which fits 7 programs per SM instead of 8; capped,

@@ -225,6 +225,50 @@ def test_integer_gemv_reads_short_rows_whole(interpreted):
     assert module._int_config(40, 288, 1, cpu) == (4, 512)  # few rows: four per program
 
 
+def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpreted, monkeypatch):
+    """`INT_WEIGHTS_BEFORE_WAIT`: a program that reads its rows in one step reads its codes and
+    scales before the wait (`pdl_triton.READ_BEFORE_WAIT`), in a dense product or the experts'
+    down one with the SwiGLU inside (its pairs are two kernels old), not in the gate|up one
+    (the routing just before it writes its pairs) or where the loop has later steps; the
+    product is the same bit for bit either way."""
+    module = interpreted("groupwise_gemv_triton")
+    launches = []
+    kernel = module._groupwise_gemv_int_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["WEIGHTS_BEFORE_WAIT"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, "_groupwise_gemv_int_kernel", Recording())
+    fmt = get_format("q4_g64_fp16")
+    one_step = fmt.encode(torch.randn(40, 320) * 0.05)  # 40 words a row, read whole
+    two_steps = fmt.encode(torch.randn(512, 2048) * 0.05)  # 16 rows, 128 of 256 words a step
+    stacked = fmt.encode(torch.randn(3 * 48, 512) * 0.05)
+    planes = {name: p.reshape(3, 48, -1) for name, p in stacked.planes.items()}
+    experts = EncodedTensor(stacked.format, stacked.layout, (3, 48, 512), planes)
+    x_rows = torch.tensor([0, -1, 1], dtype=torch.int32)
+    ids = torch.tensor([2, 0, 1], dtype=torch.int32)
+    calls = [
+        lambda: module.integer_linear(torch.randn(1, 320).half(), one_step),
+        lambda: module.integer_linear(torch.randn(1, 2048).half(), two_steps),
+        lambda: module.grouped_groupwise_linear(torch.randn(2, 512).half(), experts, x_rows, ids),
+        lambda: module.grouped_swiglu_linear(torch.randn(2, 1024).half(), experts, x_rows, ids),
+    ]
+    outputs = {}
+    for early in (True, False):
+        monkeypatch.setattr(module, "INT_WEIGHTS_BEFORE_WAIT", early)
+        launches.clear()
+        torch.manual_seed(3)
+        outputs[early] = [call() for call in calls]
+        assert launches == [early, False, False, early]
+    for with_early, without in zip(outputs[True], outputs[False]):
+        assert torch.equal(with_early[[0, -1]], without[[0, -1]])
+
+
 def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, monkeypatch):
     """A one-row product that `INT_TUNED` lists for the device takes its setting; the same
     shape on another device, in another format or at more output columns takes the rule."""
