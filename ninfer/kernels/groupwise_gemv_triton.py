@@ -100,10 +100,11 @@ INT_REGISTERS = 64
 INT_STAGES = 3
 # A program that reads its rows in one step reads its codes and scales before it waits for the
 # kernel before it (`pdl_triton.READ_BEFORE_WAIT`; no kernel writes weights), in a dense
-# product or the experts' down one (its pairs come from the routing two kernels back). Where
-# the loop has later steps this held up the loop's first loads behind the first step's
-# arithmetic (the 27B C=1 step 5.30 -> 5.58 ms on the GPU machine; computing that step after
-# the loop instead took 96-152 registers against 56-80 and was slower still).
+# product or the experts' down one (its pairs come from the routing two kernels back): the
+# 35B-A3B q4 C=1 step 1.78-1.79 -> 1.74 ms on the GPU machine. Where the loop has later steps
+# this held up the loop's first loads behind the first step's arithmetic (the 27B C=1 step
+# 5.30 -> 5.58 ms; computing that step after the loop instead took 96-152 registers against
+# 56-80 and was slower still; docs/performance.md, Measurement 18).
 INT_WEIGHTS_BEFORE_WAIT = True
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
