@@ -4,6 +4,7 @@ the text side of a request from messages to prompt ids and from generated ids to
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,10 @@ class ChatFrontend:
         options = template.resolve_reasoning(enable_thinking, reasoning_effort)
         if continue_final:
             messages = _marked_final(messages)
+        # the client's text is text: a special token's text in it is tokenized as such, never
+        # as the token, so that no message or tool can end a turn or open one
+        literals = _Literals(self.tokenizer.control_texts, (messages, tools))
+        messages, tools = literals.hide(messages), literals.hide(tools)
         text = template.render(
             tool_arguments_as_objects(messages),
             tools=tools or None,
@@ -160,8 +165,8 @@ class ChatFrontend:
         elif thinking is None:
             thinking = starts_in_reasoning or template.capabilities.thinking
         return ChatPrompt(
-            text=text,
-            token_ids=self.tokenizer.encode(text),
+            text=literals.restore(text),
+            token_ids=self.tokenizer.encode_with_literals(text, literals.marks),
             starts_in_reasoning=starts_in_reasoning,
             enable_thinking=thinking,
             reasoning_effort=options.reasoning_effort,
@@ -187,6 +192,60 @@ class ChatFrontend:
 
     def sampling_preset(self, thinking: bool) -> SamplingFields:
         return sampling_preset(self.generation_config, thinking)
+
+
+class _Literals:
+    """Stand-ins for special tokens' texts inside a request's strings: each text becomes one
+    private-use character that no string of the request holds, so the template renders it as
+    any other character (or as JSON's escape of it) and the tokenizer puts the text back, as
+    text (`Tokenizer.encode_with_literals`)."""
+
+    FIRST = 0xF0000  # plane 15, private use
+    _PRIVATE = re.compile("[\U000f0000-\U0010ffff]")
+
+    def __init__(self, texts: Iterable[str], request: Any) -> None:
+        strings = list(_strings(request))
+        found = [text for text in texts if any(text in string for string in strings)]
+        self.marks: dict[str, str] = {}  # stand-in -> text
+        if found:
+            taken = {ch for string in strings for ch in self._PRIVATE.findall(string)}
+            free = (chr(c) for c in range(self.FIRST, 0x10FFFE) if chr(c) not in taken)
+            for mark, text in zip(free, found):
+                self.marks[mark] = text
+                # as a template's `tojson(ensure_ascii=True)` writes them
+                self.marks[json.dumps(mark)[1:-1]] = json.dumps(text)[1:-1]
+        self._by_text = {text: mark for mark, text in self.marks.items() if len(mark) == 1}
+
+    def hide(self, value: Any) -> Any:
+        """`value` (messages, tools: dicts, lists, strings) with the texts replaced."""
+        if not self.marks:
+            return value
+        if isinstance(value, str):
+            for text, mark in self._by_text.items():
+                value = value.replace(text, mark)
+            return value
+        if isinstance(value, dict):
+            return {self.hide(key): self.hide(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.hide(item) for item in value)
+        return value
+
+    def restore(self, text: str) -> str:
+        for mark, literal in self.marks.items():
+            text = text.replace(mark, literal)
+        return text
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
 
 
 # Appended to the final message's text to find where the template put its end (the marker

@@ -3,8 +3,10 @@ facts from tokenizer_config.json and generation_config.json that the chat layer 
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -57,6 +59,7 @@ class Tokenizer:
     ) -> None:
         if isinstance(tokenizer_json, bytes):
             tokenizer_json = tokenizer_json.decode("utf-8")
+        self._json = tokenizer_json
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self.config = _as_dict(tokenizer_config)
         self.generation_config = _as_dict(generation_config)
@@ -78,6 +81,47 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts `encode` reads as hidden special tokens (`<|im_end|>`, ...): what a chat
+        prompt must not take from a client's text (`encode_with_literals`)."""
+        added = self._tok.get_added_tokens_decoder()
+        return tuple(sorted(added[i].content for i in self.hidden_ids))
+
+    @functools.cached_property
+    def _special_split(self) -> re.Pattern:
+        added = self._tok.get_added_tokens_decoder()
+        texts = sorted((added[i].content for i in self.special_ids), key=len, reverse=True)
+        return (
+            re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else re.compile("$^")
+        )
+
+    @functools.cached_property
+    def _as_text(self) -> HFTokenizer:
+        """The same tokenizer reading special tokens' texts as text (a second instance: the
+        switch is the instance's, and `encode` may run in other threads meanwhile)."""
+        plain = HFTokenizer.from_str(self._json)
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_with_literals(self, text: str, literals: Mapping[str, str]) -> list[int]:
+        """`encode(text)` where each key of `literals` (a character, or its JSON escape) stands
+        for its string, which is tokenized as the text it is even where it spells a special
+        token. The text between
+        special tokens is tokenized as one piece, as `encode` does (it splits at special tokens
+        first), so a text without those characters gets `encode`'s ids."""
+        if not any(mark in text for mark in literals):
+            return self.encode(text)
+        ids: list[int] = []
+        for index, piece in enumerate(self._special_split.split(text)):
+            if index % 2:  # a special token the text itself holds
+                ids.append(self._tok.token_to_id(piece))
+            elif piece:
+                for mark, literal in literals.items():
+                    piece = piece.replace(mark, literal)
+                ids.extend(self._as_text.encode(piece, add_special_tokens=False).ids)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_hidden: bool = True) -> str:
         """Text of `ids`; hidden special tokens are dropped unless `skip_hidden` is False."""
