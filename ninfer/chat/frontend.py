@@ -19,6 +19,7 @@ from ninfer.chat.template import (
     tool_arguments_as_objects,
 )
 from ninfer.chat.tokenizer import Tokenizer
+from ninfer.errors import InvalidRequestError
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,10 +147,12 @@ class ChatFrontend:
             messages = _marked_final(messages)
         # the client's text is text: a special token's text in it is tokenized as such, never
         # as the token, so that no message or tool can end a turn or open one
+        # (arguments decoded first: a JSON string may spell a special text in escapes)
+        messages = tool_arguments_as_objects(messages)
         literals = _Literals(self.tokenizer.control_texts, (messages, tools))
         messages, tools = literals.hide(messages), literals.hide(tools)
         text = template.render(
-            tool_arguments_as_objects(messages),
+            messages,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt and not continue_final,
             enable_thinking=options.enable_thinking,
@@ -196,33 +199,73 @@ class ChatFrontend:
 
 class _Literals:
     """Stand-ins for special tokens' texts inside a request's strings: each text becomes one
-    private-use character that no string of the request holds, so the template renders it as
-    any other character (or as JSON's escape of it) and the tokenizer puts the text back, as
-    text (`Tokenizer.encode_with_literals`)."""
+    private-use character that the request does not hold, so the template renders it as any
+    other character (or as JSON's escape of it) and the tokenizer puts the text back, as text
+    (`Tokenizer.encode_with_literals`). A string's start that could end a special token's text
+    (`|>`) and its end that could begin one (`<|im_end|`) are stood in for too: the template
+    may write them beside its own text (`'<function=' + name + '>'`)."""
 
     FIRST = 0xF0000  # plane 15, private use
     _PRIVATE = re.compile("[\U000f0000-\U0010ffff]")
+    _ESCAPED = re.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE)
 
     def __init__(self, texts: Iterable[str], request: Any) -> None:
+        self._texts = tuple(texts)
+        self._heads = sorted({t[i:] for t in self._texts for i in range(1, len(t))}, key=len)
+        self._tails = sorted({t[:i] for t in self._texts for i in range(1, len(t))}, key=len)
         strings = list(_strings(request))
-        found = [text for text in texts if any(text in string for string in strings)]
-        self.marks: dict[str, str] = {}  # stand-in -> text
-        if found:
-            taken = {ch for string in strings for ch in self._PRIVATE.findall(string)}
-            free = (chr(c) for c in range(self.FIRST, 0x10FFFE) if chr(c) not in taken)
-            for mark, text in zip(free, found):
-                self.marks[mark] = text
-                # as a template's `tojson(ensure_ascii=True)` writes them
-                self.marks[json.dumps(mark)[1:-1]] = json.dumps(text)[1:-1]
-        self._by_text = {text: mark for mark, text in self.marks.items() if len(mark) == 1}
+        needed = sorted({piece for string in strings for piece in self._pieces(string)})
+        self.marks: dict[str, str] = {}  # stand-in (or its JSON escape) -> text
+        self._by_text: dict[str, str] = {}
+        if not needed:
+            return
+        taken = {ch for string in strings for ch in self._PRIVATE.findall(string)}
+        for string in strings:  # stand-ins whose escapes a string already holds
+            for high, low in self._ESCAPED.findall(string):
+                taken.add(chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + int(low, 16) - 0xDC00))
+        free = (chr(c) for c in range(self.FIRST, 0x10FFFE) if chr(c) not in taken)
+        for text in needed:
+            mark = next(free, None)
+            if mark is None:
+                raise InvalidRequestError(
+                    "the request holds nearly every private-use character (U+F0000-U+10FFFD); "
+                    "with them its special tokens' texts cannot be told from the template's"
+                )
+            self.marks[mark] = text
+            # as a template's `tojson(ensure_ascii=True)` writes them
+            self.marks[json.dumps(mark)[1:-1]] = json.dumps(text)[1:-1]
+            self._by_text[text] = mark
+
+    def _ends(self, string: str) -> tuple[str, str]:
+        """(the first character of `string` where it starts with what ends a special text, the
+        last where it ends with what begins one; empty where not). One stand-in at the seam is
+        enough: no special text can then span it."""
+        head = string[:1] if any(string.startswith(h) for h in self._heads) else ""
+        tail = string[-1:] if any(string.endswith(t) for t in self._tails) else ""
+        return head, tail
+
+    def _pieces(self, string: str) -> Iterable[str]:
+        """The texts a string needs stood in for: the special texts it holds, and its ends."""
+        yield from (text for text in self._texts if text in string)
+        for text in self._texts:  # as `hide` leaves it: a character of no special text
+            string = string.replace(text, "\x00")
+        yield from (piece for piece in self._ends(string) if piece)
 
     def hide(self, value: Any) -> Any:
         """`value` (messages, tools: dicts, lists, strings) with the texts replaced."""
         if not self.marks:
             return value
         if isinstance(value, str):
-            for text, mark in self._by_text.items():
-                value = value.replace(text, mark)
+            for text in self._texts:
+                if text in self._by_text:
+                    value = value.replace(text, self._by_text[text])
+            head, tail = self._ends(value)
+            if len(value) == 1 and (head or tail):
+                return self._by_text[value]
+            if tail:
+                value = value[:-1] + self._by_text[tail]
+            if head:
+                value = self._by_text[head] + value[1:]
             return value
         if isinstance(value, dict):
             return {self.hide(key): self.hide(item) for key, item in value.items()}
