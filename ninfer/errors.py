@@ -18,6 +18,11 @@ class UnsupportedModelError(NinferError):
     """The artifact's architecture / model_type has no model class."""
 
 
+class ModelConfigError(NinferError):
+    """A model's config (a checkpoint's config.json, or the copy an artifact stores) lacks a
+    field the model needs, or disagrees with the shapes of the model's tensors."""
+
+
 class InvalidRequestError(NinferError):
     """A generation request is malformed: empty prompt, out-of-range sampling value, bad token id.
     `param` names the request field at fault, where one is."""

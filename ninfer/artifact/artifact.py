@@ -85,6 +85,13 @@ class Artifact:
     def has(self, name: str) -> bool:
         return name in self._bindings
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical tensor's shape, read from the container's index (no data)."""
+        binding = self._binding(name)
+        if "object" in binding:
+            return tuple(self.container.object(binding["object"])["shape"])
+        return tuple(binding["shape"])
+
     def _binding(self, name: str) -> dict:
         try:
             return self._bindings[name]

@@ -23,7 +23,7 @@ from ninfer.artifact.container import (
     move_no_overwrite,
 )
 from ninfer.artifact.recipes import ConversionPlan, TensorPlan, load_recipe
-from ninfer.errors import ConversionError, NinferError
+from ninfer.errors import ConversionError, ModelConfigError, NinferError, UnsupportedModelError
 from ninfer.quant import EncodedTensor, WeightFormat, get_format
 from ninfer.quant.groupwise import ENCODER, GroupwiseIntFormat
 
@@ -75,9 +75,14 @@ def convert(
             f"{model_dir}: the {recipe} recipe cannot read this checkpoint's config or tensors "
             f"({type(exc).__name__}: {exc})"
         ) from exc
+    try:
+        _check_model(plan)
+    except ModelConfigError as exc:
+        raise ConversionError(f"{model_dir}: {exc}") from None
     warnings = list(plan.warnings)
 
     resource_bytes = _collect_resources(checkpoint, resources or {}, warnings)
+    _check_text_side(resource_bytes)
     for message in warnings:
         on_warning(message)
 
@@ -153,6 +158,47 @@ def _version() -> str:
     from ninfer import __version__
 
     return f"ninfer {__version__}"
+
+
+def _check_model(plan: ConversionPlan) -> None:
+    """What loading the artifact would refuse, refused before anything is written: the model
+    that the text config names (`models.registry`) must find a tensor of its shape for each
+    parameter among the planned ones. A config of a model this engine does not run (a recipe
+    file's) is stored as planned."""
+    from ninfer.models.qwen3_5 import Qwen3_5Config
+    from ninfer.models.registry import model_class
+
+    config = plan.components["text"]["config"]
+    try:
+        cls = model_class(config)
+    except UnsupportedModelError:
+        return
+    shapes = {tensor.name: tensor.shape for tensor in plan.tensors}
+    parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
+    cls.check_shapes(parsed, "mtp" in plan.components, shapes.get)
+
+
+def _check_text_side(resource_bytes: dict[str, bytes]) -> None:
+    """The tokenizer files read as the engine reads them (`ChatFrontend`): a tokenizer.json
+    that `tokenizers` cannot load, a config that is not JSON or a template that does not
+    compile would fail every run of the artifact."""
+    if "tokenizer" not in resource_bytes:
+        return
+    from ninfer.chat.frontend import ChatFrontend
+
+    try:
+        ChatFrontend(
+            resource_bytes["tokenizer"],
+            resource_bytes.get("tokenizer_config"),
+            resource_bytes.get("chat_template"),
+            resource_bytes.get("generation_config"),
+        )
+    except NinferError as exc:
+        raise ConversionError(f"the tokenizer files: {exc}") from None
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad tokenizer.json
+        raise ConversionError(
+            f"the tokenizer files cannot be read: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _collect_resources(

@@ -33,7 +33,14 @@ from ninfer.engine.request import (
     TokenLogprob,
     Usage,
 )
-from ninfer.errors import ConfigError, EngineClosed, EngineError, NinferError, QueueFull
+from ninfer.errors import (
+    ArtifactError,
+    ConfigError,
+    EngineClosed,
+    EngineError,
+    NinferError,
+    QueueFull,
+)
 
 if TYPE_CHECKING:
     from ninfer.chat.frontend import ChatFrontend
@@ -531,7 +538,14 @@ def load_frontend(artifact: Any) -> tuple[Any, tuple[int, ...]]:
     if artifact.resource("tokenizer") is not None:
         from ninfer.chat.frontend import ChatFrontend
 
-        frontend = ChatFrontend.from_artifact(artifact)
+        try:
+            frontend = ChatFrontend.from_artifact(artifact)
+        except NinferError:
+            raise
+        except Exception as exc:  # tokenizers raises a bare Exception for a bad tokenizer.json
+            raise ArtifactError(
+                f"the model's tokenizer files cannot be read: {type(exc).__name__}: {exc}"
+            ) from None
     eos = frontend.stop_token_ids if frontend is not None else artifact_eos_ids(artifact)
     return frontend, tuple(eos)
 

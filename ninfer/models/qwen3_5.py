@@ -18,6 +18,7 @@ sums its row-parallel output over the ranks once, and the default `Shard()` is o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.engine.kv_pool import CacheSpec
-from ninfer.errors import UnsupportedModelError
+from ninfer.errors import ModelConfigError, UnsupportedModelError
 from ninfer.kernels.x_split import INT_MAX_ROWS, SplitRequest
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.attention import Attention
@@ -73,7 +74,17 @@ class Qwen3_5Config:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], *, is_moe: bool) -> Qwen3_5Config:
-        """Read an HF config.json dict (top level or multimodal with a nested `text_config`)."""
+        """Read an HF config.json dict (top level or multimodal with a nested `text_config`);
+        a missing or unreadable field is a `ModelConfigError` naming it."""
+        try:
+            return cls._from_hf(config, is_moe=is_moe)
+        except KeyError as exc:
+            raise ModelConfigError(f"the model config has no {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+            raise ModelConfigError(f"the model config cannot be read: {exc}") from None
+
+    @classmethod
+    def _from_hf(cls, config: dict[str, Any], *, is_moe: bool) -> Qwen3_5Config:
         text = config.get("text_config") or config
         tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         num_layers = text["num_hidden_layers"]
@@ -292,8 +303,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         """Build on the meta device, then fill every parameter from `source` by logical name
         (with a `shard`, only this rank's slice of each tensor is kept)."""
         parsed = Qwen3_5Config.from_hf(config, is_moe=cls.is_moe)
+        with_mtp = source.has("mtp/fc.weight")
+        shape_of = getattr(source, "shape", None)
+        if shape_of is not None:
+            cls.check_shapes(
+                parsed, with_mtp, lambda name: shape_of(name) if source.has(name) else None
+            )
         with torch.device("meta"):
-            model = cls(parsed, with_mtp=source.has("mtp/fc.weight"), device=device, shard=shard)
+            model = cls(parsed, with_mtp=with_mtp, device=device, shard=shard)
         if runs_quantized(torch.device(device), dtype):
             part_of = None
             if model.shard.world > 1:
@@ -319,6 +336,34 @@ class Qwen3_5ForCausalLM(nn.Module):
             # the unfused weights' blocks stay cached, and the K/V pool is sized from free memory
             torch.cuda.empty_cache()
         return model.eval()
+
+    @classmethod
+    def check_shapes(
+        cls,
+        config: Qwen3_5Config,
+        with_mtp: bool,
+        stored_shape: Callable[[str], tuple[int, ...] | None],
+    ) -> None:
+        """A `ModelConfigError` unless every parameter of the model `config` makes has a tensor
+        of its shape (`stored_shape` by logical name, None where there is none): what loading
+        would otherwise fail on after reading the weights, with a traceback."""
+        with torch.device("meta"):
+            model = cls(config, with_mtp=with_mtp)
+        problems = []
+        for name, param in model.named_parameters():
+            logical = logical_name(name)
+            stored = stored_shape(logical)
+            if stored is None:
+                problems.append(f"no tensor {logical}")
+            elif tuple(stored) != tuple(param.shape):
+                problems.append(
+                    f"{logical} is {list(stored)}, the config makes it {list(param.shape)}"
+                )
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ModelConfigError(
+                f"the model config and the tensors disagree: {'; '.join(problems[:3])}{more}"
+            )
 
     @property
     def dtype(self) -> torch.dtype:

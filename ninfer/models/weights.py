@@ -47,6 +47,11 @@ class StateDictSource:
     def has(self, name: str) -> bool:
         return name in self.tensors or name in self.encoded_tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.encoded_tensors:
+            return tuple(self.encoded_tensors[name].shape)
+        return tuple(self.tensors[name].shape)
+
     def names(self, prefix: str = "") -> list[str]:
         names = set(self.tensors) | set(self.encoded_tensors)
         return sorted(n for n in names if n.startswith(prefix))

@@ -263,6 +263,16 @@ def drop_key(checkpoint, key):
             lambda c: edit_config(c, layer_types=None, full_attention_interval=0),
             "cannot read this checkpoint",
         ),
+        (
+            "qwen3_5",
+            lambda c: edit_config(c, vocab_size=1000),
+            "disagree: text/embed_tokens.weight is [128, 64], the config makes it [1000, 64]",
+        ),
+        (
+            "qwen3_5",
+            lambda c: edit_config(c, linear_num_key_heads=None),
+            "the model config has no 'linear_num_key_heads'",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_error_and_no_output(
@@ -346,3 +356,55 @@ def test_a_recipe_path_that_is_not_python_is_refused(tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint(tokenizer=False, vocab=128, layers=2)
     with pytest.raises(ConversionError, match=r"a recipe file is a Python file \(\.py\)"):
         convert(checkpoint, str(checkpoint / "config.json"), tmp_path / "x.ninfer")
+
+
+@pytest.mark.parametrize(
+    ("role", "text", "message"),
+    [
+        ("tokenizer", '{"x": 1', "the tokenizer files cannot be read"),
+        ("chat_template", "{% for %}", "chat template does not compile"),
+        ("tokenizer_config", "[1", "the tokenizer files cannot be read"),
+    ],
+)
+def test_tokenizer_files_the_engine_cannot_read_are_refused(
+    tiny_checkpoint, tmp_path, role, text, message
+):
+    checkpoint = tiny_checkpoint(layers=2)
+    bad = tmp_path / "bad"
+    bad.write_text(text)
+    out = tmp_path / "out" / "bad.ninfer"
+    out.parent.mkdir()
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        convert(checkpoint, "qwen3_5", out, resources={role: bad}, on_warning=lambda _: None)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_an_artifact_whose_config_and_tensors_disagree_is_one_line_at_run(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """An artifact written by another converter (here: this one with its checks off) whose
+    config disagrees with its tensors, or whose tokenizer cannot be read, stops the load with
+    one line naming the problem, before any weight is read."""
+    from ninfer.artifact import convert as convert_module
+    from ninfer.engine.engine import load_frontend
+    from ninfer.errors import ArtifactError, ModelConfigError
+    from ninfer.models.registry import load_model
+
+    monkeypatch.setattr(convert_module, "_check_model", lambda plan: None)
+    monkeypatch.setattr(convert_module, "_check_text_side", lambda resources: None)
+    checkpoint = tiny_checkpoint(layers=2)
+    edit_config(checkpoint, intermediate_size=4096)
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{")
+    out = tmp_path / "bad.ninfer"
+    convert(checkpoint, "qwen3_5", out, resources={"tokenizer": bad}, on_warning=lambda _: None)
+    artifact = Artifact.open(out)
+    with pytest.raises(ModelConfigError, match=r"mlp.gate_proj.weight is \[\d+, 64\], the"):
+        load_model(artifact)
+    with pytest.raises(ArtifactError, match="tokenizer files cannot be read"):
+        load_frontend(artifact)
+    capsys.readouterr()
+    assert cli_main(["run", str(out), "--prompt", "hi", "--max-tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "ninfer run: error: the model config and the tensors disagree" in err
+    assert "Traceback" not in err and err.strip().count("\n") <= 1
