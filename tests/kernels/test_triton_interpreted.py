@@ -40,6 +40,24 @@ def interpreted():
     return load_kernel_module
 
 
+def record_launches(monkeypatch, module, kernel_name: str, constant: str) -> list:
+    """Launches of `module.<kernel_name>` run as before, each noting the value of its launch
+    constant `constant` in the list returned."""
+    launches = []
+    kernel = getattr(module, kernel_name)
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs[constant])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, kernel_name, Recording())
+    return launches
+
+
 def test_paged_decode_attention_matches_reference(interpreted):
     module = interpreted("paged_attention_triton")
     check_paged_attention(module, [1, 70, 200], 4, 2, 32, torch.float16, "cpu", 2e-3)
@@ -55,24 +73,13 @@ def test_gdn_recurrent_matches_reference_and_updates_slots(interpreted, dtype):
 
 @pytest.mark.parametrize(("query_lens", "first"), [([1], True), ([3], True), ([1, 1], False)])
 def test_gdn_recurrent_reads_the_state_before_the_wait_at_one_sequence_only(
-    interpreted, query_lens, first
+    interpreted, monkeypatch, query_lens, first
 ):
     """`STATE_FIRST_MAX_SEQS`: the kernel is launched with its state read before the wait
     (`pdl_triton.READ_BEFORE_WAIT`) where it runs one sequence, whatever its tokens, and with
     the wait first above that (slower at eight sequences on the GPU machine)."""
     module = interpreted("gdn_recurrent_triton")
-    launches = []
-    kernel = module._recurrent_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs["STATE_FIRST"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    module._recurrent_kernel = Recording()
+    launches = record_launches(monkeypatch, module, "_recurrent_kernel", "STATE_FIRST")
     q, k, v, g, beta, states, slots, query_start = gdn_inputs(
         query_lens, 2, 4, 16, 32, torch.float32, "cpu", 1.0
     )
@@ -232,18 +239,9 @@ def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpr
     (the routing just before it writes its pairs) or where the loop has later steps; the
     product is the same bit for bit either way."""
     module = interpreted("groupwise_gemv_triton")
-    launches = []
-    kernel = module._groupwise_gemv_int_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs["WEIGHTS_BEFORE_WAIT"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(module, "_groupwise_gemv_int_kernel", Recording())
+    launches = record_launches(
+        monkeypatch, module, "_groupwise_gemv_int_kernel", "WEIGHTS_BEFORE_WAIT"
+    )
     fmt = get_format("q4_g64_fp16")
     one_step = fmt.encode(torch.randn(40, 320) * 0.05)  # 40 words a row, read whole
     two_steps = fmt.encode(torch.randn(512, 2048) * 0.05)  # 16 rows, 128 of 256 words a step
