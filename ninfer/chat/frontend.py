@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,13 +210,17 @@ class _Literals:
     _ESCAPED = re.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE)
 
     def __init__(self, texts: Iterable[str], request: Any) -> None:
-        self._texts = tuple(texts)
-        self._heads = sorted({t[i:] for t in self._texts for i in range(1, len(t))}, key=len)
-        self._tails = sorted({t[:i] for t in self._texts for i in range(1, len(t))}, key=len)
-        strings = list(_strings(request))
-        needed = sorted({piece for string in strings for piece in self._pieces(string)})
+        texts = sorted(set(texts), key=len, reverse=True)
+        # one pass of C per string: the texts, then the seams (tuples to startswith/endswith)
+        self._find = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._heads = tuple({t[i:] for t in texts for i in range(1, len(t))})
+        self._tails = tuple({t[:i] for t in texts for i in range(1, len(t))})
         self.marks: dict[str, str] = {}  # stand-in (or its JSON escape) -> text
         self._by_text: dict[str, str] = {}
+        if self._find is None:
+            return
+        strings = list(_strings(request))
+        needed = sorted({piece for string in strings for piece in self._pieces(string)})
         if not needed:
             return
         taken = {ch for string in strings for ch in self._PRIVATE.findall(string)}
@@ -240,25 +244,24 @@ class _Literals:
         """(the first character of `string` where it starts with what ends a special text, the
         last where it ends with what begins one; empty where not). One stand-in at the seam is
         enough: no special text can then span it."""
-        head = string[:1] if any(string.startswith(h) for h in self._heads) else ""
-        tail = string[-1:] if any(string.endswith(t) for t in self._tails) else ""
+        head = string[:1] if string.startswith(self._heads) else ""
+        tail = string[-1:] if string.endswith(self._tails) else ""
         return head, tail
 
     def _pieces(self, string: str) -> Iterable[str]:
         """The texts a string needs stood in for: the special texts it holds, and its ends."""
-        yield from (text for text in self._texts if text in string)
-        for text in self._texts:  # as `hide` leaves it: a character of no special text
-            string = string.replace(text, "\x00")
+        found = self._find.findall(string)
+        if found:  # as `hide` leaves it: a character of no special text in each
+            yield from found
+            string = self._find.sub("\x00", string)
         yield from (piece for piece in self._ends(string) if piece)
 
     def hide(self, value: Any) -> Any:
-        """`value` (messages, tools: dicts, lists, strings) with the texts replaced."""
+        """`value` (messages, tools: mappings, lists, strings) with the texts replaced."""
         if not self.marks:
             return value
         if isinstance(value, str):
-            for text in self._texts:
-                if text in self._by_text:
-                    value = value.replace(text, self._by_text[text])
+            value = self._find.sub(lambda match: self._by_text[match.group()], value)
             head, tail = self._ends(value)
             if len(value) == 1 and (head or tail):
                 return self._by_text[value]
@@ -267,7 +270,7 @@ class _Literals:
             if head:
                 value = self._by_text[head] + value[1:]
             return value
-        if isinstance(value, dict):
+        if isinstance(value, Mapping):
             return {self.hide(key): self.hide(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
             return type(value)(self.hide(item) for item in value)
@@ -282,7 +285,7 @@ class _Literals:
 def _strings(value: Any) -> Iterable[str]:
     if isinstance(value, str):
         yield value
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         for key, item in value.items():
             yield from _strings(key)
             yield from _strings(item)

@@ -66,9 +66,11 @@ def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(format
     planes = {name: p.reshape(NUM_EXPERTS, HIDDEN, -1) for name, p in stacked.planes.items()}
     weight = EncodedTensor(stacked.format, stacked.layout, (NUM_EXPERTS, HIDDEN, WIDTH), planes)
     assert groupwise_gemv_triton.swiglu_fits(weight)
-    gate_up = torch.randn(pairs, 2 * WIDTH, device="cuda", dtype=BF16) * 2
+    # the pair lists first: the product reads them before it waits for the kernel before it,
+    # which must not be the one that wrote them (as the routing is two kernels back in a step)
     rows = torch.arange(pairs, device="cuda", dtype=torch.int32)
     ids = torch.randint(0, NUM_EXPERTS, (pairs,), device="cuda", dtype=torch.int32)
+    gate_up = torch.randn(pairs, 2 * WIDTH, device="cuda", dtype=BF16) * 2
     fused = groupwise_gemv_triton.grouped_swiglu_linear(gate_up, weight, rows, ids)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = swiglu_triton.silu_mul(gate, up, SplitRequest.for_format(format_name, pairs))

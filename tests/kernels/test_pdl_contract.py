@@ -44,10 +44,23 @@ def _writes(nodes) -> list[str]:
     return found
 
 
-def _waits_in_time(fn: ast.FunctionDef) -> None:
+def _called(nodes, helpers: dict[str, ast.FunctionDef], seen: set[str]) -> list[ast.AST]:
+    """The nodes of the module's functions that `nodes` call, and of those they call."""
+    found = []
+    for node in nodes:
+        name = getattr(node.func, "id", None) if isinstance(node, ast.Call) else None
+        if name in helpers and name not in seen:
+            seen.add(name)
+            body = [n for statement in helpers[name].body for n in ast.walk(statement)]
+            found += body + _called(body, helpers, seen)
+    return found
+
+
+def _waits_in_time(fn: ast.FunctionDef, helpers: dict[str, ast.FunctionDef] | None = None) -> None:
     """fn's wait is its first statement, or (READ_BEFORE_WAIT) its waits are top-level
     statements, or statements of top-level `if`s on constants, with no write or return
-    before the last of them in the source."""
+    before the last of them in the source, nor in the module's functions (`helpers`) called
+    there."""
     from ninfer.kernels.pdl_triton import READ_BEFORE_WAIT
 
     first = _first_statement(fn)
@@ -68,6 +81,10 @@ def _waits_in_time(fn: ast.FunctionDef) -> None:
     assert placed and len(placed) == len(every), f"{fn.name} waits inside a loop or deeper"
     before = [n for n in ast.walk(fn) if getattr(n, "lineno", 0) < max(placed)]
     assert not _writes(before), f"{fn.name} writes before its wait"
+    called = _called(before, helpers or {}, set())
+    assert not _writes(n for n in called if not isinstance(n, ast.Return)), (
+        f"{fn.name} writes before its wait, in a function it calls"
+    )
 
 
 def test_a_kernel_that_stores_before_its_wait_breaks_the_contract(monkeypatch):
@@ -84,6 +101,11 @@ def test_a_kernel_that_stores_before_its_wait_breaks_the_contract(monkeypatch):
     with pytest.raises(AssertionError, match="writes before its wait"):
         _waits_in_time(fn)
     _waits_in_time(next(_jit_kernels(ast.parse(source.replace("    tl.store(p, x)\n", "")))))
+    helper = "@triton.jit\ndef _put(p, x):\n    tl.store(p, x)\n    return x\n\n"
+    tree = ast.parse(helper + source.replace("    tl.store(p, x)\n", "    _put(p, x)\n"))
+    helpers = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    with pytest.raises(AssertionError, match="in a function it calls"):
+        _waits_in_time(next(_jit_kernels(tree)), helpers)
 
 
 def test_every_kernel_read_before_its_wait_exists():
@@ -98,8 +120,9 @@ def test_every_kernel_waits_first_and_every_launch_passes_the_options(path):
     tree = ast.parse(path.read_text())
     kernels = list(_jit_kernels(tree))
     assert kernels, f"{path.name} defines no kernel"
+    helpers = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     for fn in kernels:
-        _waits_in_time(fn)
+        _waits_in_time(fn, helpers)
         assert "PDL" in [a.arg for a in fn.args.args], fn.name
     names = {fn.name for fn in kernels}
     launches = [

@@ -250,11 +250,25 @@ def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpr
     experts = EncodedTensor(stacked.format, stacked.layout, (3, 48, 512), planes)
     x_rows = torch.tensor([0, -1, 1], dtype=torch.int32)
     ids = torch.tensor([2, 0, 1], dtype=torch.int32)
+    q8, q6 = (
+        get_format(f).encode(torch.randn(40, 320) * 0.05) for f in ("q8_g32_fp16", "q6_g64_fp16")
+    )
+    taps, windows = torch.randn(24, 4).half(), torch.randn(2, 24, 3).half()
+
+    def with_the_conv():  # the product and the window it shifted, from the same windows
+        shifted = windows.clone()
+        slot = torch.tensor([1], dtype=torch.int32)
+        out = module.integer_linear_conv(torch.randn(1, 320).half(), one_step, taps, shifted, slot)
+        return torch.cat([out.flatten(), shifted.flatten()])[None, :]
+
     calls = [
         lambda: module.integer_linear(torch.randn(1, 320).half(), one_step),
         lambda: module.integer_linear(torch.randn(1, 2048).half(), two_steps),
         lambda: module.grouped_groupwise_linear(torch.randn(2, 512).half(), experts, x_rows, ids),
         lambda: module.grouped_swiglu_linear(torch.randn(2, 1024).half(), experts, x_rows, ids),
+        lambda: module.integer_linear(torch.randn(1, 320).half(), q8),
+        lambda: module.integer_linear(torch.randn(1, 320).half(), q6),
+        with_the_conv,
     ]
     outputs = {}
     for early in (True, False):
@@ -262,7 +276,7 @@ def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpr
         launches.clear()
         torch.manual_seed(3)
         outputs[early] = [call() for call in calls]
-        assert launches == [early, False, False, early]
+        assert launches == [early, False, False, early, early, early, early]
     for with_early, without in zip(outputs[True], outputs[False]):
         assert torch.equal(with_early[[0, -1]], without[[0, -1]])
 
