@@ -108,9 +108,8 @@ class Tokenizer:
     def encode_with_literals(self, text: str, literals: Mapping[str, str]) -> list[int]:
         """`encode(text)` where each key of `literals` (a character, or its JSON escape) stands
         for its string, which is tokenized as the text it is even where it spells a special
-        token. The text between
-        special tokens is tokenized as one piece, as `encode` does (it splits at special tokens
-        first), so a text without those characters gets `encode`'s ids."""
+        token. The text between special tokens is tokenized as one piece, as `encode` does (it
+        splits at special tokens first), so a text without those keys gets `encode`'s ids."""
         if not any(mark in text for mark in literals):
             return self.encode(text)
         ids: list[int] = []
