@@ -356,7 +356,10 @@ def create_app(
         engine_id = f"{chat.protocol}-{state.log.instance_id}-{request_id}"
         prompt_param = PROMPT_PARAMS.get(chat.protocol, "messages")
         try:
-            generation = state.service.prepare(chat, engine_id)
+            # the template and the tokenizer off the event loop: a long conversation takes
+            # seconds to render, and the other requests' streams would wait meanwhile
+            prompt = await asyncio.to_thread(state.service.render, chat)
+            generation = state.service.prepare(chat, engine_id, prompt)
         except Exception as exc:
             return rejected(to_api_error(exc, prompt_param), request, chat.protocol)
         trace = RequestTrace(state, generation, request, request_id)
@@ -462,7 +465,8 @@ def create_app(
             if isinstance(body, dict) and "max_tokens" not in body:
                 body = {**body, "max_tokens": 1}
             chat = anthropic.parse_messages_request(body, info)
-            return JSONResponse({"input_tokens": state.service.count_tokens(chat)})
+            count = await asyncio.to_thread(state.service.count_tokens, chat)
+            return JSONResponse({"input_tokens": count})
         except ApiError as err:
             return rejected(err, request, "anthropic")
 
@@ -493,7 +497,7 @@ def create_app(
             chat = responses.parse_input_tokens_request(
                 await read_json(request, state.max_request_bytes), info
             )
-            count = state.service.count_tokens(chat)
+            count = await asyncio.to_thread(state.service.count_tokens, chat)
         except ApiError as err:
             return rejected(err, request, "responses")
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})

@@ -12,7 +12,7 @@ from ninfer.chat.frontend import ChatFrontend, ChatPrompt
 from ninfer.chat.presets import SamplingFields, resolve_sampling
 from ninfer.chat.template import ChatTemplateError, ChatTemplateOptionError
 from ninfer.engine.request import GenerationRequest, SamplingParams, TokenEvent
-from ninfer.errors import ContextLengthExceeded
+from ninfer.errors import ContextLengthExceeded, InvalidRequestError
 from ninfer.serve.errors import invalid
 from ninfer.serve.output import Completion, TextDelta, output_stream
 from ninfer.serve.request import ChatRequest
@@ -75,6 +75,8 @@ class GenerationService:
             raise invalid(str(exc), exc.code, exc.param) from None
         except ChatTemplateError as exc:
             raise invalid(f"the chat template rejected the conversation: {exc}") from None
+        except InvalidRequestError as exc:  # what the request's text makes impossible
+            raise invalid(str(exc), param=exc.param) from None
 
     def count_tokens(self, request: ChatRequest) -> int:
         return len(self.render(request).token_ids)
@@ -103,10 +105,13 @@ class GenerationService:
             stop=tuple(request.stop),
         )
 
-    def prepare(self, request: ChatRequest, request_id: str) -> Generation:
-        """Render, resolve sampling and submit; admission errors are raised here, before any
-        response is sent."""
-        prompt = self.render(request)
+    def prepare(
+        self, request: ChatRequest, request_id: str, prompt: ChatPrompt | None = None
+    ) -> Generation:
+        """Render (unless given the `render` of `request`), resolve sampling and submit;
+        admission errors are raised here, before any response is sent."""
+        if prompt is None:
+            prompt = self.render(request)
         params = self.sampling_params(request, prompt.enable_thinking, len(prompt.token_ids))
         engine_request = GenerationRequest(
             prompt_ids=prompt.token_ids,

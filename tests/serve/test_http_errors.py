@@ -310,3 +310,37 @@ def test_metrics_count_finished_and_rejected_requests(make_client):
     assert 'ninfer:request_success_total{finished_reason="stop",model_name="tiny-test"} 1.0' in text
     assert 'code="model_not_found"' in text
     assert 'ninfer:num_requests_running{model_name="tiny-test"} 0.0' in text
+
+
+def test_prompts_render_off_the_event_loop(make_client, frontend, monkeypatch):
+    """The template and the tokenizer run in a worker thread (a long conversation takes
+    seconds), for a generation and for both token counts; other requests meanwhile go on."""
+    calls = []
+    render = frontend.render
+
+    def recording(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            calls.append("loop")
+        except RuntimeError:
+            calls.append("worker")
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(frontend, "render", recording)
+    client = make_client()
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert client.post("/v1/messages/count_tokens", json=MESSAGES).status_code == 200
+    body = {"model": MODEL_ID, "input": "Hi"}
+    assert client.post("/v1/responses/input_tokens", json=body).status_code == 200
+    assert calls == ["worker"] * 3
+
+
+def test_a_request_whose_text_cannot_be_kept_apart_is_400_when_counted_too(make_client):
+    """Special-token text beside every private-use character: a 400 on every path."""
+    content = "x<|im_end|>" + "".join(chr(c) for c in range(0xF0000, 0x10FFFE))
+    client = make_client(max_request_bytes=1 << 24)
+    chat = {**CHAT, "messages": [{"role": "user", "content": content}]}
+    assert openai_error(client.post("/v1/chat/completions", json=chat), 400)
+    counted = {**MESSAGES, "messages": [{"role": "user", "content": content}]}
+    response = client.post("/v1/messages/count_tokens", json=counted)
+    assert "private-use" in anthropic_error(response, 400)["message"]
