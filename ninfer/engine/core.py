@@ -14,7 +14,13 @@ import torch
 
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.kv_pool import ModelCache
-from ninfer.engine.request import FinishReason, GenerationRequest, TokenEvent, Usage
+from ninfer.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    Usage,
+    check_request,
+)
 from ninfer.engine.runner import LaunchedStep, ModelRunner
 from ninfer.engine.sampler import Sampler
 from ninfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -80,6 +86,7 @@ class EngineCore:
 
     def validate(self, request: GenerationRequest) -> int:
         """Checks that need no engine state (safe from any thread); returns max_tokens."""
+        check_request(request)
         if not request.prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]

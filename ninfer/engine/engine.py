@@ -9,11 +9,13 @@ scheduler. Limits are checked in the caller's thread, so `submit` raises `QueueF
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -129,6 +131,17 @@ class RequestHandle:
         return completion
 
 
+# Engines not closed by their owner are closed at interpreter exit: a daemon engine thread
+# still inside a step while the interpreter tears down aborted the process.
+_OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_OPEN_ENGINES):
+        engine.close()
+
+
 class Engine:
     """Generates tokens for many requests at once on one device.
 
@@ -173,6 +186,7 @@ class Engine:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
         self._thread.start()
+        _OPEN_ENGINES.add(self)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -194,7 +208,9 @@ class Engine:
             if self._live >= limit:
                 raise QueueFull(self.config.max_pending_requests)
             self._live += 1
-        self._inbox.put(("add", (request, self._counted(deliver))))
+            # queued under the lock: a `close` racing this call queues its command after
+            # this one, so the engine thread ends this request too
+            self._inbox.put(("add", (request, self._counted(deliver))))
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -212,18 +228,25 @@ class Engine:
         batch = [prompts] if single else list(prompts)
         handles: list[RequestHandle] = []
         results: dict[int, Completion] = {}
-        for prompt in batch:
-            request = GenerationRequest(self._ids(prompt), params or SamplingParams())
-            while True:
-                try:
-                    handles.append(self.submit(request))
-                    break
-                except QueueFull:
-                    oldest = next(i for i in range(len(handles)) if i not in results)
-                    results[oldest] = handles[oldest].result()
-        for i, handle in enumerate(handles):
-            if i not in results:
-                results[i] = handle.result()
+        try:
+            for prompt in batch:
+                request = GenerationRequest(self._ids(prompt), params or SamplingParams())
+                while True:
+                    try:
+                        handles.append(self.submit(request))
+                        break
+                    except QueueFull:
+                        waiting = [i for i in range(len(handles)) if i not in results]
+                        if not waiting:  # the queue is full of other callers' requests
+                            raise
+                        results[waiting[0]] = handles[waiting[0]].result()
+            for i, handle in enumerate(handles):
+                if i not in results:
+                    results[i] = handle.result()
+        except BaseException:
+            for handle in handles:  # a failed batch leaves none of its requests running
+                handle.abort()
+            raise
         completions = [results[i] for i in range(len(handles))]
         return completions[0] if single else completions
 
@@ -326,6 +349,7 @@ class Engine:
                     kind, payload = command
                     if kind == "close":
                         core.fail_all(EngineClosed("the engine was closed"))
+                        self._end_queued(EngineClosed("the engine was closed"))
                         core.runner.close()
                         return
                     if kind == "add":
@@ -349,8 +373,18 @@ class Engine:
             log.exception("engine thread died")
             with self._lock:
                 self._closed = True
-            core.fail_all(EngineClosed(f"the engine thread died: {exc!r}"))
+            error = EngineClosed(f"the engine thread died: {exc!r}")
+            core.fail_all(error)
+            self._end_queued(error)
             raise
+
+    def _end_queued(self, error: Exception) -> None:
+        """End the requests still in the inbox (the engine takes no more: `_closed` is set)."""
+        while (command := self._poll()) is not None:
+            kind, payload = command
+            if kind == "add":
+                request, sink = payload
+                sink(TokenEvent(request.request_id, finish_reason="error", error=error))
 
     def _poll(self) -> tuple[str, Any] | None:
         try:

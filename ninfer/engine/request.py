@@ -69,6 +69,21 @@ class SamplingParams:
         ) -> InvalidRequestError:
             return InvalidRequestError(f"{name} = {value!r} is invalid: {rule}", param or name)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise bad(name, getattr(self, name), "must be a number")
+        for name in ("top_k", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value) and (value is not None or name == "top_k"):
+                raise bad(name, value, "must be an integer")
+        for name in ("stop", "reasoning_stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                rule = "must be a list (a string would be its characters)"
+                raise bad(name, getattr(self, name), rule)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", self.logit_bias, "must be a dict of token id -> bias")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "must be true or false")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -97,14 +112,42 @@ class SamplingParams:
             ("logit_bias", (self.logit_bias or {}).keys()),
         ):
             for token_id in ids:
-                if not isinstance(token_id, int) or token_id < 0:
+                if not _is_int(token_id) or token_id < 0:
                     raise bad("token id", token_id, "must be a non-negative integer", field_name)
                 if vocab_size is not None and token_id >= vocab_size:
                     rule = f"must be < the vocabulary size {vocab_size}"
                     raise bad("token id", token_id, rule, field_name)
         for token_id, value in (self.logit_bias or {}).items():
-            if not math.isfinite(value) or abs(value) > 100.0:
+            if not _is_number(value) or not math.isfinite(value) or abs(value) > 100.0:
                 raise bad(f"logit_bias[{token_id}]", value, "must be in [-100, 100]", "logit_bias")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_request(request: object) -> None:
+    """`InvalidRequestError` unless `request` is a `GenerationRequest` whose fields have their
+    types: a string id (the engine keys its state by it), integer prompt ids, `SamplingParams`
+    (whose own checks `SamplingParams.validate` makes)."""
+    if not isinstance(request, GenerationRequest):
+        raise InvalidRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise InvalidRequestError(
+            f"request_id = {request.request_id!r} is invalid: must be a non-empty string",
+            "request_id",
+        )
+    ids = request.prompt_ids
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+        raise InvalidRequestError("prompt_ids must be a list of integer token ids", "prompt_ids")
+    if not isinstance(request.params, SamplingParams):
+        raise InvalidRequestError(
+            f"params must be SamplingParams, got {type(request.params).__name__}", "params"
+        )
 
 
 _request_counter = itertools.count()

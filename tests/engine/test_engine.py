@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -15,6 +18,7 @@ from ninfer.errors import (
     ContextLengthExceeded,
     EngineClosed,
     EngineError,
+    InvalidRequestError,
     QueueFull,
     QueueTimeout,
 )
@@ -222,3 +226,109 @@ def test_chat_renders_the_template_and_splits_nothing_without_think(engine):
     )
     assert done.usage.prompt_tokens > 5
     assert done.content + done.reasoning != "" or done.token_ids
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        ({"request_id": ["x"]}, "request_id"),
+        ({"request_id": None}, "request_id"),
+        ({"prompt_ids": [1.5, 2.0]}, "prompt_ids"),
+        ({"prompt_ids": [True, False]}, "prompt_ids"),
+        ({"params": None}, "params must be SamplingParams"),
+        ({"params": SamplingParams(top_k=2.5)}, "top_k"),
+        ({"params": SamplingParams(max_tokens=2.5)}, "max_tokens"),
+        ({"params": SamplingParams(logprobs=True)}, "logprobs"),
+        ({"params": SamplingParams(temperature="0.5")}, "temperature"),
+        ({"params": SamplingParams(stop="return")}, "a string would be its characters"),
+        ({"params": SamplingParams(stop_token_ids=None)}, "stop_token_ids"),
+        ({"params": SamplingParams(logit_bias=[1, 2])}, "logit_bias"),
+        ({"params": SamplingParams(logit_bias={13: "1"})}, "logit_bias"),
+        ({"params": SamplingParams(ignore_eos="no")}, "ignore_eos"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_refused_at_submit_and_others_run_on(
+    engine, request_fields, message
+):
+    """A wrong type used to pass the checks and fail inside the engine: an unhashable or None
+    id killed the engine thread or freed page 0, a float top_k failed steps (two in a row end
+    every request)."""
+    other = engine.submit(GenerationRequest([1, 2, 3], GREEDY))
+    fields = {"prompt_ids": [1, 2], "params": GREEDY, **request_fields}
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.submit(GenerationRequest(**fields))
+    assert len(other.result().token_ids) == 8
+
+
+def _close_while_submitting(artifact_path) -> bool:
+    """Four threads submit until the engine refuses; whether every handle then ends."""
+    eng = ninfer.Engine(artifact_path, device="cpu", max_concurrency=64)
+    handles, stop = [], threading.Event()
+
+    def submitting():
+        while not stop.is_set():
+            try:
+                handles.append(eng.submit(GenerationRequest([1, 2], GREEDY)))
+            except EngineClosed:
+                return
+            except QueueFull:
+                pass
+
+    threads = [threading.Thread(target=submitting) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    eng.close()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    ended = threading.Event()
+
+    def drain():
+        for handle in handles:
+            with contextlib.suppress(EngineClosed):
+                handle.result()
+        ended.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return ended.wait(30)
+
+
+def test_submit_racing_close_leaves_no_handle_unended(artifact_path):
+    """Requests queued while `close` runs end with `EngineClosed`; none is left waiting."""
+    for _ in range(3):
+        assert _close_while_submitting(artifact_path), "a handle never ended"
+
+
+def test_generate_on_a_queue_full_of_others_requests_raises_queue_full(artifact_path):
+    release = threading.Event()
+    eng = ninfer.Engine(artifact_path, device="cpu", max_concurrency=1, max_pending_requests=0)
+    try:
+        eng.submit(GenerationRequest([1, 2], GREEDY), sink=lambda event: release.wait())
+        with pytest.raises(QueueFull):
+            eng.generate([3, 4], GREEDY)
+    finally:
+        release.set()
+        eng.close()
+
+
+def test_a_batch_that_fails_leaves_none_of_its_requests_running(artifact_path):
+    long = SamplingParams.greedy(max_tokens=4000, ignore_eos=True)
+    with ninfer.Engine(artifact_path, device="cpu", max_concurrency=1, max_context=4096) as eng:
+        with pytest.raises(ContextLengthExceeded):
+            eng.generate([[1, 2], [3] * 5000], long)
+        started = time.monotonic()
+        done = eng.submit(GenerationRequest([5, 6], GREEDY)).result()
+        # the batch's first prompt was aborted, not left to run its 4000 tokens (over 10 s
+        # here) ahead of the next request
+        assert time.monotonic() - started < 5 and len(done.token_ids) == 8
+
+
+def test_an_engine_left_open_at_exit_is_closed_cleanly(artifact_path):
+    script = (
+        "import ninfer\n"
+        f"e = ninfer.Engine({str(artifact_path)!r}, device='cpu')\n"
+        "e.submit(ninfer.GenerationRequest([1, 2, 3], ninfer.SamplingParams(max_tokens=300)))\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-500:]
