@@ -97,7 +97,11 @@ class EngineCore:
         request.params.validate(self.vocab_size)
         return self.effective_max_tokens(request)
 
-    def add(self, request: GenerationRequest, sink: EventSink) -> Sequence:
+    def add(
+        self, request: GenerationRequest, sink: EventSink, submitted_at: float | None = None
+    ) -> Sequence:
+        """Admit `request`; `submitted_at` (perf_counter seconds, default now) is when its
+        caller handed it over, from which its queue time, ttft and pending deadline count."""
         if request.request_id in self.sequences:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         max_tokens = self.validate(request)
@@ -121,6 +125,8 @@ class EngineCore:
             sink=sink,
             decoder=decoder,
         )
+        if submitted_at is not None:
+            seq.submitted_at = submitted_at
         self.scheduler.add(seq)
         self.sequences[seq.request_id] = seq
         return seq

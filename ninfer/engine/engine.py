@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -210,7 +211,8 @@ class Engine:
             self._live += 1
             # queued under the lock: a `close` racing this call queues its command after
             # this one, so the engine thread ends this request too
-            self._inbox.put(("add", (request, self._counted(deliver))))
+            submitted = time.perf_counter()  # the queue time counts from here
+            self._inbox.put(("add", (request, self._counted(deliver), submitted)))
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -383,7 +385,7 @@ class Engine:
         while (command := self._poll()) is not None:
             kind, payload = command
             if kind == "add":
-                request, sink = payload
+                request, sink, _ = payload
                 sink(TokenEvent(request.request_id, finish_reason="error", error=error))
 
     def _poll(self) -> tuple[str, Any] | None:
@@ -392,9 +394,9 @@ class Engine:
         except queue.Empty:
             return None
 
-    def _add(self, request: GenerationRequest, sink: EventSink) -> None:
+    def _add(self, request: GenerationRequest, sink: EventSink, submitted_at: float) -> None:
         try:
-            self.core.add(request, sink)
+            self.core.add(request, sink, submitted_at)
         except NinferError as exc:  # e.g. a duplicate request id
             sink(TokenEvent(request.request_id, finish_reason="error", error=exc))
 

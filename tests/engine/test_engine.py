@@ -332,3 +332,17 @@ def test_an_engine_left_open_at_exit_is_closed_cleanly(artifact_path):
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
         assert done.returncode == 0, done.stderr.decode()[-500:]
+
+
+def test_timings_count_from_submit_including_the_step_already_running(artifact_path):
+    """A request handed over while the engine thread is inside a long step: its queue time,
+    ttft and total include that wait (they counted from when the thread picked it up)."""
+    config = {"device": "cpu", "max_context": 4096, "prefill_chunk": 4096}
+    with ninfer.Engine(artifact_path, **config) as eng:
+        eng.submit(GenerationRequest([5] * 4000, SamplingParams(max_tokens=1)))
+        time.sleep(0.05)  # the engine thread is in the 4000-token prefill now
+        started = time.perf_counter()
+        done = eng.submit(GenerationRequest([1, 2, 3], GREEDY)).result()
+        wall = time.perf_counter() - started
+    assert done.timings.total >= 0.9 * wall
+    assert done.timings.queue >= 0.5 * (wall - done.timings.prefill - done.timings.decode)
