@@ -116,6 +116,7 @@ class EngineCore:
                 stop=params.stop,
                 reasoning_stop=params.reasoning_stop,
                 stop_token_ids=stop_ids,
+                split_reasoning=request.split_reasoning,
             )
         seq = Sequence(
             request=request,

@@ -225,14 +225,17 @@ class Engine:
     ) -> Completion | list[Completion]:
         """Complete one prompt (text or token ids) or a list of them, run together (more than
         the queue holds are fed in as earlier ones finish). Text is tokenized as is, with no
-        chat template; see `chat` for conversations."""
+        chat template, and the completion is the text as generated (no reasoning split, no
+        whitespace trimmed); see `chat` for conversations."""
         single = isinstance(prompts, str) or all(isinstance(t, int) for t in prompts)
         batch = [prompts] if single else list(prompts)
         handles: list[RequestHandle] = []
         results: dict[int, Completion] = {}
         try:
             for prompt in batch:
-                request = GenerationRequest(self._ids(prompt), params or SamplingParams())
+                request = GenerationRequest(
+                    self._ids(prompt), params or SamplingParams(), split_reasoning=False
+                )
                 while True:
                     try:
                         handles.append(self.submit(request))

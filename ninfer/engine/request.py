@@ -163,7 +163,8 @@ class GenerationRequest:
 
     `starts_in_reasoning` tells the output decoder that the prompt left a `<think>` block open,
     so the first generated text belongs to the reasoning channel. `detokenize=False` skips the
-    text layer (events carry token ids only).
+    text layer (events carry token ids only). `split_reasoning=False` makes the text plain, as
+    generated: no reasoning channel and no whitespace trimmed (a completion of raw text).
     """
 
     prompt_ids: list[int]
@@ -171,6 +172,7 @@ class GenerationRequest:
     request_id: str = field(default_factory=new_request_id)
     starts_in_reasoning: bool = False
     detokenize: bool = True
+    split_reasoning: bool = True
 
 
 @dataclass(slots=True, frozen=True)

@@ -346,3 +346,21 @@ def test_timings_count_from_submit_including_the_step_already_running(artifact_p
         wall = time.perf_counter() - started
     assert done.timings.total >= 0.9 * wall
     assert done.timings.queue >= 0.5 * (wall - done.timings.prefill - done.timings.decode)
+
+
+def test_generate_returns_the_text_as_generated(engine, monkeypatch):
+    """A raw completion is not a chat turn: no reasoning split and no leading whitespace
+    trimmed, so the prompt followed by the text is the whole string."""
+    requests = []
+    submit = engine.submit
+
+    def recording(request, sink=None):
+        requests.append(request)
+        return submit(request, sink)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    params = [SamplingParams(max_tokens=4, seed=seed, ignore_eos=True) for seed in range(20)]
+    for p in params:
+        done = engine.generate("Hello", p)
+        assert done.text == engine.tokenizer.decode(done.token_ids) and not done.reasoning
+    assert all(not request.split_reasoning for request in requests)
