@@ -100,7 +100,8 @@ class Completion:
 
 class RequestHandle:
     """Iterate for the request's `TokenEvent`s (the last one has `finish_reason`); a failed
-    request raises its typed error from the iteration. `abort()` cancels at the next step."""
+    request raises its typed error from the iteration. `abort()` cancels at the next step, and
+    so does leaving the iteration early."""
 
     def __init__(self, engine: Engine, request_id: str) -> None:
         self._engine = engine
@@ -112,13 +113,16 @@ class RequestHandle:
         self._events.put(event)
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        while not self.finished:
-            event = self._events.get()
-            if event.finished:
-                self.finished = True
-                if event.error is not None:
-                    raise event.error
-            yield event
+        try:
+            while not self.finished:
+                event = self._events.get()
+                if event.finished:
+                    self.finished = True
+                    if event.error is not None:
+                        raise event.error
+                yield event
+        finally:  # left early (`break`, an exception in the loop body): the request stops
+            self.abort()
 
     def abort(self) -> None:
         if not self.finished:

@@ -364,3 +364,14 @@ def test_generate_returns_the_text_as_generated(engine, monkeypatch):
         done = engine.generate("Hello", p)
         assert done.text == engine.tokenizer.decode(done.token_ids) and not done.reasoning
     assert all(not request.split_reasoning for request in requests)
+
+
+def test_leaving_a_handles_loop_early_aborts_the_request(engine):
+    long = SamplingParams.greedy(max_tokens=400, ignore_eos=True)
+    handle = engine.submit(GenerationRequest([1, 2, 3], long))
+    for _ in handle:
+        break
+    started = time.monotonic()
+    done = engine.submit(GenerationRequest([5, 6], GREEDY)).result()
+    assert len(done.token_ids) == 8 and time.monotonic() - started < 5
+    assert engine._live == 0
