@@ -261,8 +261,8 @@ def test_a_field_of_the_wrong_type_is_refused_at_submit_and_others_run_on(
 
 
 def _close_while_submitting(artifact_path) -> bool:
-    """Four threads submit until the engine refuses; whether every handle then ends."""
-    eng = ninfer.Engine(artifact_path, device="cpu", max_concurrency=64)
+    """Eight threads submit until the engine refuses; whether every handle then ends."""
+    eng = ninfer.Engine(artifact_path, device="cpu", max_pending_requests=10**7)
     handles, stop = [], threading.Event()
 
     def submitting():
@@ -274,9 +274,10 @@ def _close_while_submitting(artifact_path) -> bool:
             except QueueFull:
                 pass
 
-    threads = [threading.Thread(target=submitting) for _ in range(4)]
+    threads = [threading.Thread(target=submitting) for _ in range(8)]
     for thread in threads:
         thread.start()
+    time.sleep(0.05)
     eng.close()
     stop.set()
     for thread in threads:
@@ -294,7 +295,9 @@ def _close_while_submitting(artifact_path) -> bool:
 
 
 def test_submit_racing_close_leaves_no_handle_unended(artifact_path):
-    """Requests queued while `close` runs end with `EngineClosed`; none is left waiting."""
+    """Requests queued while `close` runs end with `EngineClosed`; none is left waiting. (On
+    this machine the race's window is too narrow for the test to force; a reproducer on the
+    shipped model left 3 handles hanging in 6 trials before.)"""
     for _ in range(3):
         assert _close_while_submitting(artifact_path), "a handle never ended"
 
