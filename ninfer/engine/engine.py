@@ -108,17 +108,23 @@ class RequestHandle:
         self.request_id = request_id
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self.finished = False
+        self._completion = Completion(request_id)  # every event consumed so far, folded
+        self._error: BaseException | None = None
 
     def _put(self, event: TokenEvent) -> None:
         self._events.put(event)
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        if self._error is not None:  # the request failed: so does every later look at it
+            raise self._error
         try:
             while not self.finished:
                 event = self._events.get()
+                self._completion.add(event)
                 if event.finished:
                     self.finished = True
                     if event.error is not None:
+                        self._error = event.error
                         raise event.error
                 yield event
         finally:  # left early (`break`, an exception in the loop body): the request stops
@@ -129,11 +135,11 @@ class RequestHandle:
             self._engine.abort(self.request_id)
 
     def result(self) -> Completion:
-        """Wait for the end and return everything generated."""
-        completion = Completion(self.request_id)
-        for event in self:
-            completion.add(event)
-        return completion
+        """Wait for the end and return everything generated, the events already iterated
+        included (again on later calls; the handle has one consumer at a time)."""
+        for _ in self:
+            pass
+        return self._completion
 
 
 # Engines not closed by their owner are closed at interpreter exit: a daemon engine thread

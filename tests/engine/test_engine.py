@@ -378,3 +378,19 @@ def test_leaving_a_handles_loop_early_aborts_the_request(engine):
     done = engine.submit(GenerationRequest([5, 6], GREEDY)).result()
     assert len(done.token_ids) == 8 and time.monotonic() - started < 5
     assert engine._live == 0
+
+
+def test_result_after_the_events_were_iterated_returns_them_all_again(artifact_path):
+    """`result()` after iterating, or called twice, gives the whole completion (it gave an
+    empty one); a failed request raises its error each time."""
+    with ninfer.Engine(artifact_path, device="cpu") as eng:
+        handle = eng.submit(GenerationRequest([1, 2, 3], GREEDY))
+        events = list(handle)
+        first, second = handle.result(), handle.result()
+        assert first.token_ids == [t for e in events for t in e.token_ids] == second.token_ids
+        assert first.finish_reason == "length" and first.usage.completion_tokens == 8
+        long = SamplingParams.greedy(max_tokens=400, ignore_eos=True)
+        failing = eng.submit(GenerationRequest([1, 2], long))
+    for _ in range(2):
+        with pytest.raises(EngineClosed):
+            failing.result()
