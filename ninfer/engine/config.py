@@ -56,7 +56,42 @@ class EngineConfig:
     cuda_graph: bool = True
     overlap: bool = True
 
+    def _check_types(self) -> None:
+        """A `ConfigError` naming the first field whose value has the wrong type (a string of
+        digits, a float where tokens are counted, a bool where a count is wanted)."""
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        wanted = {
+            "an integer": (
+                "max_context", "max_concurrency", "max_pending_requests", "prefill_chunk",
+                "kv_headroom_bytes", "tensor_parallel",
+            ),
+            "an integer or None": ("idle_prefill_chunk", "default_max_tokens"),
+            "true or false": ("expert_parallel", "cuda_graph", "overlap"),
+            "a string or None": ("dtype", "device"),
+        }  # fmt: skip
+        checks = {
+            "an integer": is_int,
+            "an integer or None": lambda v: v is None or is_int(v),
+            "true or false": lambda v: isinstance(v, bool),
+            "a string or None": lambda v: v is None or isinstance(v, str),
+        }
+        for kind, names in wanted.items():
+            for name in names:
+                if not checks[kind](getattr(self, name)):
+                    raise ConfigError(f"{name} = {getattr(self, name)!r} must be {kind}")
+        timeout = self.pending_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        ):
+            raise ConfigError(f"pending_timeout = {timeout!r} must be seconds or None")
+        if self.kv_capacity != "auto" and not is_int(self.kv_capacity):
+            raise ConfigError(f"kv_capacity = {self.kv_capacity!r} must be tokens or 'auto'")
+
     def __post_init__(self) -> None:
+        self._check_types()
         if self.max_context < 2:
             raise ConfigError(f"max_context = {self.max_context} must be >= 2")
         if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:

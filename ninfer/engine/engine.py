@@ -41,6 +41,7 @@ from ninfer.errors import (
     ConfigError,
     EngineClosed,
     EngineError,
+    InvalidRequestError,
     NinferError,
     QueueFull,
 )
@@ -237,6 +238,10 @@ class Engine:
         the queue holds are fed in as earlier ones finish). Text is tokenized as is, with no
         chat template, and the completion is the text as generated (no reasoning split, no
         whitespace trimmed); see `chat` for conversations."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise InvalidRequestError(
+                f"prompts must be text, token ids or a list of them, got {type(prompts).__name__}"
+            )
         single = isinstance(prompts, str) or all(isinstance(t, int) for t in prompts)
         batch = [prompts] if single else list(prompts)
         handles: list[RequestHandle] = []
@@ -289,6 +294,8 @@ class Engine:
         reasoning_effort: str | None = None,
     ) -> GenerationRequest:
         """The `GenerationRequest` for a conversation (template, thinking mode, presets)."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError("messages must be a list of message dicts", "messages")
         if self.frontend is None:
             raise NinferError("the model has no tokenizer; send token ids instead")
         prompt = self.frontend.render(
@@ -343,6 +350,10 @@ class Engine:
             if self.tokenizer is None:
                 raise NinferError("the model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt must be text or token ids, got {type(prompt).__name__}", "prompts"
+            )
         return list(prompt)
 
     def _counted(self, deliver: EventSink) -> EventSink:

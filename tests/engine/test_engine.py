@@ -15,6 +15,7 @@ import pytest
 import ninfer
 from ninfer.engine.request import GenerationRequest, SamplingParams, TokenEvent
 from ninfer.errors import (
+    ConfigError,
     ContextLengthExceeded,
     EngineClosed,
     EngineError,
@@ -394,3 +395,38 @@ def test_result_after_the_events_were_iterated_returns_them_all_again(artifact_p
     for _ in range(2):
         with pytest.raises(EngineClosed):
             failing.result()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda eng: eng.generate(None),
+        lambda eng: eng.generate(5),
+        lambda eng: eng.generate([1.5, 2.0]),
+        lambda eng: eng.generate([1, 2], {"max_tokens": 3}),
+        lambda eng: eng.chat("hello"),
+        lambda eng: eng.chat(["hi"]),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_invalid_requests(engine, call):
+    with pytest.raises(InvalidRequestError):
+        call(engine)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_context": "4096"},
+        {"max_context": 100.5},
+        {"max_concurrency": True},
+        {"pending_timeout": "1"},
+        {"cuda_graph": "no"},
+        {"idle_prefill_chunk": 2.0},
+        {"kv_capacity": 4096.0},
+    ],
+)
+def test_engine_settings_of_the_wrong_type_are_config_errors(fields):
+    from ninfer.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=next(iter(fields))):
+        EngineConfig(**fields)
