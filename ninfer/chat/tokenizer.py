@@ -82,7 +82,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    @property
+    @functools.cached_property
     def control_texts(self) -> tuple[str, ...]:
         """The texts `encode` reads as hidden special tokens (`<|im_end|>`, ...): what a chat
         prompt must not take from a client's text (`encode_with_literals`)."""

@@ -89,8 +89,13 @@ class EngineCore:
         check_request(request)
         if not request.prompt_ids:
             raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        # one pass over a prompt that may be long: integers (not bools) inside the vocabulary
+        bad = [t for t in request.prompt_ids if type(t) is not int or not 0 <= t < self.vocab_size]
         if bad:
+            if type(bad[0]) is not int:
+                raise InvalidRequestError(
+                    "prompt_ids must be a list of integer token ids", "prompt_ids"
+                )
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
             )

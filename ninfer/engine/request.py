@@ -132,8 +132,9 @@ def _is_number(value: object) -> bool:
 
 def check_request(request: object) -> None:
     """`InvalidRequestError` unless `request` is a `GenerationRequest` whose fields have their
-    types: a string id (the engine keys its state by it), integer prompt ids, `SamplingParams`
-    (whose own checks `SamplingParams.validate` makes)."""
+    types: a string id (the engine keys its state by it), prompt ids in a list (each an
+    integer: `EngineCore.validate` checks that in its pass over them), `SamplingParams` (whose
+    own checks `SamplingParams.validate` makes)."""
     if not isinstance(request, GenerationRequest):
         raise InvalidRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
     if not isinstance(request.request_id, str) or not request.request_id:
@@ -142,7 +143,7 @@ def check_request(request: object) -> None:
             "request_id",
         )
     ids = request.prompt_ids
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+    if not isinstance(ids, (list, tuple)):
         raise InvalidRequestError("prompt_ids must be a list of integer token ids", "prompt_ids")
     if not isinstance(request.params, SamplingParams):
         raise InvalidRequestError(
