@@ -16,11 +16,9 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   and the head;
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
-  (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours");
-- the q4 GEMV that loads its codes into mma.sync's operand registers
-  (`groupwise_mma_triton`) against the shipped products, one and eight x rows.
+  (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
 
-    python bench/decode_variants.py [--skip-int4pack] [--mma-only]
+    python bench/decode_variants.py [--skip-int4pack]
 """
 
 from __future__ import annotations
@@ -502,60 +500,10 @@ def int4pack_against_ours() -> None:
                 print(f"{f'{n}x{k}':18} {tiles:5d} {m:3d} {theirs:12.1f} {ours:8.1f}")
 
 
-MMA_SETTINGS = {
-    # name: module constants of groupwise_mma_triton (tiles, slots, prefetch, programs per SM)
-    "t4s2": {"TILES": 4, "SLOTS": 2},
-    "t4s2p": {"TILES": 4, "SLOTS": 2, "PREFETCH": True},
-    "t2s2p": {"TILES": 2, "SLOTS": 2, "PREFETCH": True},
-    "t2s2pP2": {"TILES": 2, "SLOTS": 2, "PREFETCH": True, "PROGRAMS_PER_SM": 2},
-    "t2s4": {"TILES": 2, "SLOTS": 4},
-    "t4s1p": {"TILES": 4, "SLOTS": 1, "PREFETCH": True},
-    "t2s2po": {"TILES": 2, "SLOTS": 2, "PREFETCH": True, "OFFSET_IN_MMA": True},
-}
-
-
-def mma_gemv() -> None:
-    """The q4 GEMV with its codes loaded straight into mma.sync's operand registers
-    (`groupwise_mma_triton`, fragment-major planes) against the shipped products, at one and
-    eight x rows, at the 27B and 35B-A3B dense shapes."""
-    from ninfer.kernels import groupwise_mma_triton
-
-    copy = copy_bandwidth(DEVICE)
-    print(f"q4 GEMV, us (of copy); copy {copy / 1e9:.0f} GB/s")
-    for n, k in ((34816, 5120), (5120, 17408), (5120, 6144), (16384, 5120), (12288, 2048)):
-        moved = Q4.encoded_nbytes((n, k))
-        weights = [
-            Q4.encode(torch.randn(n, k, device=DEVICE) * 0.02)
-            for _ in range(max(2, math.ceil(240e6 / moved)))
-        ]
-        for weight in weights:
-            groupwise_mma_triton.prepare(weight)
-        for m in (1, 8):
-            x = torch.randn(m, k, device=DEVICE, dtype=BF16)
-            shipped = groupwise_gemv_triton.groupwise_linear
-            us = median_us(rotating([partial(shipped, x, w) for w in weights]))
-            line = [f"{n}x{k} M={m}", f"shipped {us:6.1f} ({moved / (us * 1e-6) / copy:4.0%})"]
-            for name, settings in MMA_SETTINGS.items():
-                saved = {key: getattr(groupwise_mma_triton, key) for key in settings}
-                for key, value in settings.items():
-                    setattr(groupwise_mma_triton, key, value)
-                calls = [partial(groupwise_mma_triton.mma_linear, x, w) for w in weights]
-                us = median_us(rotating(calls))
-                line.append(f"{name} {us:6.1f} ({moved / (us * 1e-6) / copy:4.0%})")
-                for key, value in saved.items():
-                    setattr(groupwise_mma_triton, key, value)
-            print(" | ".join(line), flush=True)
-        del weights
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-int4pack", action="store_true", help="only the one-token sweeps")
-    parser.add_argument("--mma-only", action="store_true", help="only the mma.sync GEMV sweep")
     args = parser.parse_args()
-    if args.mma_only:
-        mma_gemv()
-        return
     norm_and_routing_warps()
     gdn_decode_kernels()
     gdn_decode_eight_sequences()
@@ -564,7 +512,6 @@ def main() -> None:
     norm_in_router()
     moe_decode_settings()
     dense_decode_settings()
-    mma_gemv()
     if not args.skip_int4pack:
         int4pack_against_ours()
 
