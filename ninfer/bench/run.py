@@ -32,6 +32,7 @@ class BenchOptions:
     weights: str = "q4"  # with --shape: the formats random weights stand for
     device: str | None = None
     dtype: str | None = None
+    gdn_state_dtype: str = "float32"  # the GDN recurrent state's dtype (EngineConfig)
     repetitions: int = 3
     warmup: int = 1
     prefill_chunk: int = 1024
@@ -128,6 +129,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     device, dtype = device_and_dtype(options.device, options.dtype)
     torch.manual_seed(options.seed)
     kv_itemsize = dtype.itemsize
+    state_itemsize = getattr(torch, options.gdn_state_dtype).itemsize
     dense = "fp32" if dtype == torch.float32 else "bf16"
     model = source = None
 
@@ -145,6 +147,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             _as_run(artifact_formats(artifact), ranks, options.expert_parallel, dense),
             kv_itemsize=kv_itemsize,
             conv_itemsize=kv_itemsize,
+            state_itemsize=state_itemsize,
         )
         weights = "artifact"
         if ranks == 1:
@@ -162,6 +165,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             _as_run(format_of, ranks, options.expert_parallel, dense),
             kv_itemsize=kv_itemsize,
             conv_itemsize=kv_itemsize,
+            state_itemsize=state_itemsize,
         )
         weights = options.weights
         if ranks == 1:
@@ -180,6 +184,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         options.cuda_graph,
         idle_prefill_chunk=options.idle_prefill_chunk,
         overlap=options.overlap,
+        gdn_state_dtype=options.gdn_state_dtype,
         parallel=RankSplit(source, ranks, options.expert_parallel, device, dtype)
         if ranks > 1
         else None,
@@ -218,6 +223,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "model": model_label,
         "device": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "gdn_state_dtype": options.gdn_state_dtype,
         "executed_weights": executed,
         "commit": _commit(),
         "tensor_parallel": ranks,
@@ -238,6 +244,12 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             for index, row in enumerate(rows)
         ],
     }
+
+
+def _state_note(report: dict[str, Any]) -> str:
+    """The header's note of a GDN state dtype other than the default."""
+    state = report.get("gdn_state_dtype", "float32")
+    return "" if state == "float32" else f"  gdn state {state}"
 
 
 def _as_run(format_of, ranks: int, expert_parallel: bool, dense: str):
@@ -300,7 +312,7 @@ def format_table(report: dict[str, Any]) -> str:
     )
     lines = [
         f"model   {report['model']}  device {report['device']}  dtype {report['dtype']}"
-        f"  commit {report['commit'] or '?'}{split}",
+        f"{_state_note(report)}  commit {report['commit'] or '?'}{split}",
         f"ceilings  copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write)"
         f"  matmul {ceilings['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s ({ceilings['matmul_dtype']})",
         f"weights read per decode token (C=1, stored formats): "

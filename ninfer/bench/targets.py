@@ -159,6 +159,7 @@ class NinferTarget:
         idle_prefill_chunk: int | None = None,
         parallel: RankSplit | None = None,
         overlap: bool = True,
+        gdn_state_dtype: str = "float32",
     ) -> None:
         """`model` is the loaded model; or, with `parallel`, None: each rank (this process is
         rank 0) loads its slice of `parallel.source` (ninfer/parallel/launch.py)."""
@@ -175,6 +176,7 @@ class NinferTarget:
             idle_prefill_chunk=idle_prefill_chunk,
             cuda_graph=cuda_graph,
             overlap=overlap,
+            gdn_state_dtype=gdn_state_dtype,
         )
         if parallel is None:
             self.core = build_core(model, config)  # no eos ids: every request runs its length

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ninfer.bench.shapes import SHAPES
 from ninfer.cli.config import add_config_argument, check_choice, settings_from
+from ninfer.engine.config import GDN_STATE_DTYPES
 from ninfer.errors import ConfigError
 
 WEIGHTS = ("bf16", "q8", "q4")
@@ -65,6 +66,7 @@ class BenchSettings:
     idle_prefill_chunk: int | None = None  # None: 4 x prefill_chunk
     device: str | None = None
     dtype: str | None = None
+    gdn_state_dtype: str = "float32"
     peer: list[str] = field(default_factory=list)
     seed: int = 0
     no_cuda_graph: bool = False
@@ -81,6 +83,7 @@ class BenchSettings:
         check_choice("weights", self.weights, WEIGHTS)
         if self.dtype is not None:
             check_choice("dtype", self.dtype, DTYPES)
+        check_choice("gdn-state-dtype", self.gdn_state_dtype, GDN_STATE_DTYPES)
         check_choice("output", self.output, OUTPUTS)
         for peer in self.peer:
             check_choice("peer", peer, PEERS)
@@ -169,6 +172,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPES,
         help="default: bfloat16 on cuda, float32 on cpu",
+    )
+    parser.add_argument(
+        "--gdn-state-dtype",
+        choices=GDN_STATE_DTYPES,
+        help="the GDN recurrent state: float32 (default) or bfloat16; the bytes a decode step "
+        "moves count it in that dtype",
     )
     parser.add_argument(
         "--peer",
@@ -269,6 +278,7 @@ def run(inputs: argparse.Namespace) -> int:
             weights=args.weights,
             device=args.device,
             dtype=args.dtype,
+            gdn_state_dtype=args.gdn_state_dtype,
             repetitions=args.repetitions,
             warmup=args.warmup,
             prefill_chunk=args.prefill_chunk,

@@ -34,6 +34,7 @@ class RunSettings:
     max_tokens: int = 128
     device: str | None = None
     dtype: str | None = None
+    gdn_state_dtype: str = "float32"
     tensor_parallel: int = 1
     expert_parallel: bool = False
     no_cuda_graph: bool = False
@@ -113,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     device.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, float32 on cpu"
+    )
+    device.add_argument(
+        "--gdn-state-dtype",
+        choices=("float32", "bfloat16"),
+        help="the GDN recurrent state: float32 (default) or bfloat16 (half its memory and "
+        "decode traffic, rounded each step)",
     )
     device.add_argument(
         "--tensor-parallel",
@@ -243,6 +250,7 @@ def _engine_config(args: RunSettings):
         idle_prefill_chunk=args.idle_prefill_chunk,
         dtype=args.dtype,
         device=args.device,
+        gdn_state_dtype=args.gdn_state_dtype,
         tensor_parallel=args.tensor_parallel,
         expert_parallel=args.expert_parallel,
         cuda_graph=not args.no_cuda_graph,

@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(model, "--dtype", str, "weights and activations: bfloat16, float16 or float32")
     _flag(
         model,
+        "--gdn-state-dtype",
+        str,
+        "the GDN recurrent state per request: float32 (default) or bfloat16 (half its memory "
+        "and decode traffic, rounded each step)",
+    )
+    _flag(
+        model,
         "--tensor-parallel",
         int,
         "split the model over N processes, one GPU each (default 1; docs/parallel.md)",

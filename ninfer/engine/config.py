@@ -8,6 +8,7 @@ from typing import Literal
 from ninfer.errors import ConfigError
 
 MAX_CONCURRENCY = 64
+GDN_STATE_DTYPES = ("float32", "bfloat16")
 
 
 # `idle_prefill_chunk` by default: this many times `prefill_chunk`
@@ -38,6 +39,9 @@ class EngineConfig:
     ignored elsewhere); off is for debugging. `overlap`: launch each decode step before the
     one in flight is read back, so the host's work of a step overlaps the device's work of
     the step before (one rank; `EngineCore.step`); off for debugging and comparison.
+    `gdn_state_dtype`: the GDN recurrent state held per request, float32 or bfloat16 (half the
+    memory of a state slot and of the decode step's state traffic; the state is rounded to
+    bf16 after each step, while the update itself runs in fp32).
     """
 
     max_context: int = 4096
@@ -55,6 +59,7 @@ class EngineConfig:
     expert_parallel: bool = False
     cuda_graph: bool = True
     overlap: bool = True
+    gdn_state_dtype: str = "float32"
 
     def _check_types(self) -> None:
         """A `ConfigError` naming the first field whose value has the wrong type (a string of
@@ -71,12 +76,14 @@ class EngineConfig:
             "an integer or None": ("idle_prefill_chunk", "default_max_tokens"),
             "true or false": ("expert_parallel", "cuda_graph", "overlap"),
             "a string or None": ("dtype", "device"),
+            "a string": ("gdn_state_dtype",),
         }  # fmt: skip
         checks = {
             "an integer": is_int,
             "an integer or None": lambda v: v is None or is_int(v),
             "true or false": lambda v: isinstance(v, bool),
             "a string or None": lambda v: v is None or isinstance(v, str),
+            "a string": lambda v: isinstance(v, str),
         }
         for kind, names in wanted.items():
             for name in names:
@@ -124,6 +131,10 @@ class EngineConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype = {self.dtype!r} must be float32, bfloat16 or float16")
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            raise ConfigError(
+                f"gdn_state_dtype = {self.gdn_state_dtype!r} must be float32 or bfloat16"
+            )
 
     @property
     def idle_chunk(self) -> int:

@@ -637,11 +637,9 @@ def build_core(
     device, dtype = model.device, model.dtype
     graphs = uses_cuda_graphs(config, model)
     if num_pages is None:
-        reserve = graph_reserve_bytes(config, model) if graphs else 0
+        reserve = cache_reserve_bytes(config, model, graphs)
         num_pages = pool_pages(config, spec.page_bytes(dtype), device, reserve_bytes=reserve)
-    cache = ModelCache(
-        spec, num_pages, config.max_concurrency, device=device, dtype=dtype, scratch=graphs
-    )
+    cache = model_cache(config, model, num_pages, graphs)
     log.info("KV pool: %d pages of %d tokens", num_pages, PAGE_SIZE)
     core = EngineCore(
         model,
@@ -685,6 +683,30 @@ def uses_cuda_graphs(config: EngineConfig, model: torch.nn.Module) -> bool:
     return config.cuda_graph and model.device.type == "cuda" and model.dtype in GRAPH_DTYPES
 
 
+def model_cache(
+    config: EngineConfig, model: torch.nn.Module, num_pages: int, graphs: bool
+) -> ModelCache:
+    """The model's K/V pages and a state slot per lane (a scratch page and slot with graphs)."""
+    return ModelCache(
+        model.cache_spec(),
+        num_pages,
+        config.max_concurrency,
+        device=model.device,
+        dtype=model.dtype,
+        state_dtype=getattr(torch, config.gdn_state_dtype),
+        scratch=graphs,
+    )
+
+
+def cache_reserve_bytes(config: EngineConfig, model: torch.nn.Module, graphs: bool) -> int:
+    """What to set aside before an `auto` K/V pool is sized: the state slots (one per lane,
+    plus the graphs' scratch slot) and, with graphs, their memory pool."""
+    slots = config.max_concurrency + (1 if graphs else 0)
+    state_dtype = getattr(torch, config.gdn_state_dtype)
+    reserve = slots * model.cache_spec().slot_bytes(model.dtype, state_dtype)
+    return reserve + (graph_reserve_bytes(config, model) if graphs else 0)
+
+
 def graph_reserve_bytes(config: EngineConfig, model: torch.nn.Module) -> int:
     """What the decode graphs' memory pool may take, set aside before the K/V pool is sized."""
     from ninfer.engine.graphs import graph_memory_bytes
@@ -700,8 +722,9 @@ def pool_pages(
     config: EngineConfig, page_bytes: int, device: torch.device, reserve_bytes: int = 0
 ) -> int:
     """Pages of the shared K/V pool: `kv_capacity` tokens rounded up to pages, or for `auto`
-    the most that fit in free device memory after a headroom and `reserve_bytes` (the CUDA
-    graphs' pool); never more than every lane at `max_context` could use."""
+    the most that fit in free device memory after a headroom and `reserve_bytes` (the state
+    slots and the CUDA graphs' pool, `cache_reserve_bytes`); never more than every lane at
+    `max_context` could use."""
     per_request = -(-config.max_context // PAGE_SIZE)
     most_useful = per_request * config.max_concurrency
     if config.kv_capacity != "auto":

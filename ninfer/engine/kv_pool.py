@@ -42,9 +42,9 @@ class CacheSpec:
         per_layer = 2 * PAGE_SIZE * self.num_kv_heads * self.head_dim * kv_dtype.itemsize
         return self.num_attention_layers * per_layer
 
-    def slot_bytes(self, conv_dtype: torch.dtype) -> int:
-        """Bytes one state slot takes across all GDN layers (fp32 state + conv window)."""
-        state = self.gdn_heads * self.gdn_key_dim * self.gdn_value_dim * 4
+    def slot_bytes(self, conv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one state slot takes across all GDN layers (recurrent state + conv window)."""
+        state = self.gdn_heads * self.gdn_key_dim * self.gdn_value_dim * state_dtype.itemsize
         window = self.conv_dim * (self.conv_kernel - 1) * conv_dtype.itemsize
         return self.num_gdn_layers * (state + window)
 
@@ -151,7 +151,9 @@ class ModelCache:
 
     - `k[i]`, `v[i]`: `[num_pages, 64, n_kv_heads, head_dim]` for attention layer i (in layer
       order; the MTP layer is last), dtype `kv_dtype`.
-    - `gdn_state[j]`: `[num_slots, Hv, dk, dv]` fp32 for GDN layer j (in layer order).
+    - `gdn_state[j]`: `[num_slots, Hv, dk, dv]` for GDN layer j (in layer order), dtype
+      `state_dtype` (fp32 by default; bf16 halves the slots' memory and the decode kernel's
+      state traffic, rounding the state once per step).
     - `conv_window[j]`: `[num_slots, conv_dim, K - 1]`, the last K - 1 conv inputs, model dtype.
 
     With `scratch=True` every pool has one more row than its allocator hands out: page
@@ -168,6 +170,7 @@ class ModelCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         kv_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype = torch.float32,
         scratch: bool = False,
     ) -> None:
         self.spec = spec
@@ -189,7 +192,7 @@ class ModelCache:
         state_shape = (num_slots + extra, spec.gdn_heads, spec.gdn_key_dim, spec.gdn_value_dim)
         window_shape = (num_slots + extra, spec.conv_dim, spec.conv_kernel - 1)
         self.gdn_state = [
-            torch.zeros(state_shape, dtype=torch.float32, device=device)
+            torch.zeros(state_shape, dtype=state_dtype, device=device)
             for _ in range(spec.num_gdn_layers)
         ]
         self.conv_window = [

@@ -49,7 +49,7 @@ def chunk_gated_delta_rule(
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     starts = query_start.tolist()
     for i, slot in enumerate(state_slots.tolist()):
-        state = states[slot].clone()
+        state = states[slot].float()
         for begin in range(starts[i], starts[i + 1], CHUNK_SIZE):
             end = min(begin + CHUNK_SIZE, starts[i + 1])
             heads_first = [x[begin:end].transpose(0, 1) for x in (q, k, v, g, beta)]

@@ -41,8 +41,8 @@ def chunk_gated_delta_rule(
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
 ) -> torch.Tensor:
-    """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay), beta: [T, Hv]; states: fp32
-    [num_slots, Hv, dk, dv], the batch's slots read and updated in place.
+    """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay), beta: [T, Hv]; states: fp32 or bf16
+    [num_slots, Hv, dk, dv], the batch's slots read (as fp32) and updated in place.
     Returns o: [T, Hv, dv] in v's dtype."""
     slots = state_slots.long()
     out, final = _fla_rule()(
@@ -51,7 +51,7 @@ def chunk_gated_delta_rule(
         v[None],
         g[None].float(),
         beta[None].to(v.dtype),
-        initial_state=states.index_select(0, slots),
+        initial_state=states.index_select(0, slots).float(),
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=query_start.long(),

@@ -1,7 +1,8 @@
 """Gated delta rule, token by token (torch reference; the decode form and the ground truth for
 the chunked form).
 
-Per value head, with an fp32 state S [dk, dv] carried in a state slot:
+Per value head, with a state S [dk, dv] carried in a state slot (fp32, or bf16: read as fp32,
+updated in fp32 over the call's tokens and rounded once when written back):
     S <- exp(g_t) * S;  u = v_t - S^T k_t;  S <- S + k_t (beta_t u)^T;  o_t = S^T q_t
 q and k are L2-normalised inside (eps 1e-6 under the sqrt) and q is scaled by dk^-0.5.
 Key heads are shared by blocks of Hv / Hk value heads (value head j reads key head j // r).
@@ -39,7 +40,7 @@ def recurrent_gated_delta_rule(
     query_start: torch.Tensor,
 ) -> torch.Tensor:
     """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay, fp32), beta: [T, Hv];
-    states: fp32 [num_slots, Hv, dk, dv], read and updated in place.
+    states: fp32 or bf16 [num_slots, Hv, dk, dv], read and updated in place.
     Returns o: [T, Hv, dv] in v's dtype."""
     out_dtype = v.dtype
     q, k = prepare_qk(q, k, v.shape[1])
@@ -47,7 +48,7 @@ def recurrent_gated_delta_rule(
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     starts = query_start.tolist()
     for i, slot in enumerate(state_slots.tolist()):
-        state = states[slot].clone()
+        state = states[slot].float()
         for t in range(starts[i], starts[i + 1]):
             state = state * g[t].exp()[:, None, None]
             predicted = torch.einsum("hk,hkv->hv", k[t], state)

@@ -1,5 +1,6 @@
-"""Gated delta rule, token by token, in Triton: the decode form, with the fp32 state read from
-and written back to its slot in place (fla's recurrent kernel takes dense states, not slots).
+"""Gated delta rule, token by token, in Triton: the decode form, with the state (fp32 or bf16,
+updated in fp32) read from and written back to its slot in place (fla's recurrent kernel takes
+dense states, not slots).
 
 One program per (sequence, value head, block of dv columns) holds its [dk, BLOCK_V] slice of
 the state in registers across that sequence's tokens, so a multi-token step (speculative
@@ -26,6 +27,7 @@ from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 # Widest column block and warps per program. With the narrowing below, within 3 % of the
 # fastest setting swept at one token at the 27B and 35B-A3B shapes on the GPU machine
 # (bench/decode_variants.py, docs/performance.md Measurement 9).
@@ -109,6 +111,7 @@ def _recurrent_kernel(
         await_inputs(PDL)
     else:
         state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
+    state = state.to(tl.float32)  # a bf16 state is updated in fp32, rounded once when stored
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
@@ -145,7 +148,7 @@ def _recurrent_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=col_mask,
         )
-    tl.store(state_ptrs, state, mask=tile_mask)
+    tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def recurrent_gated_delta_rule(
@@ -159,7 +162,8 @@ def recurrent_gated_delta_rule(
     query_start: torch.Tensor,
 ) -> torch.Tensor:
     """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay), beta: [T, Hv];
-    states: fp32 [num_slots, Hv, dk, dv] (contiguous per slot), read and updated in place.
+    states: fp32 or bf16 [num_slots, Hv, dk, dv] (contiguous per slot), read and updated in
+    place.
     Returns o: [T, Hv, dv] in v's dtype."""
     if g.stride(1) != 1 or beta.stride(1) != 1:
         raise ValueError("g and beta need unit stride along heads")
@@ -223,8 +227,8 @@ def _launch(
     dt_bias); the other set None."""
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     key_dim = q.shape[2]
-    if states.dtype != torch.float32 or states.stride(3) != 1 or states.stride(2) != value_dim:
-        raise ValueError("GDN states must be fp32 with contiguous [dk, dv] per head")
+    if states.dtype not in STATE_DTYPES or states.stride(3) != 1 or states.stride(2) != value_dim:
+        raise ValueError("GDN states must be fp32 or bf16 with contiguous [dk, dv] per head")
     for operand in (q, k, v):
         if operand.stride(2) != 1:
             raise ValueError("q, k, v need unit stride along the head dimension")

@@ -229,7 +229,8 @@ def load_rank(
     """Load this rank's slice of the model and its pools; rank 0 gets the engine core."""
     from ninfer.engine.engine import (
         build_core,
-        graph_reserve_bytes,
+        cache_reserve_bytes,
+        model_cache,
         pool_pages,
         uses_cuda_graphs,
         warm_up_kernels,
@@ -240,7 +241,7 @@ def load_rank(
     model = source.load(device, dtype, shard)
     spec = model.cache_spec()
     graphs = uses_cuda_graphs(config, model)
-    reserve = graph_reserve_bytes(config, model) if graphs else 0
+    reserve = cache_reserve_bytes(config, model, graphs)
     pages = torch.tensor([pool_pages(config, spec.page_bytes(dtype), device, reserve)])
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=group.control_group)
     num_pages = int(pages.item())
@@ -248,9 +249,7 @@ def load_rank(
     if group.rank != 0:
         if device.type == "cuda":
             warm_up_kernels(model)
-        cache = ModelCache(
-            spec, num_pages, config.max_concurrency, device=device, dtype=dtype, scratch=graphs
-        )
+        cache = model_cache(config, model, num_pages, graphs)
         worker = Worker(model, cache, channel)
         if graphs:  # the same sizes in the same order as rank 0's build_core
             worker.runner.capture_graphs(config.max_context, capture_sizes(config.max_concurrency))

@@ -38,6 +38,7 @@ def engine_config(settings: ServeSettings) -> EngineConfig:
         default_max_tokens=settings.default_max_tokens,
         device=settings.device,
         dtype=settings.dtype,
+        gdn_state_dtype=settings.gdn_state_dtype,
         tensor_parallel=settings.tensor_parallel,
         expert_parallel=settings.expert_parallel,
         cuda_graph=not settings.no_cuda_graph,

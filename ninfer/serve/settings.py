@@ -44,6 +44,7 @@ class ServeSettings:
     log_stats_interval_ms: int = 5000
     device: str | None = None
     dtype: str | None = None
+    gdn_state_dtype: str = "float32"
     tensor_parallel: int = 1
     expert_parallel: bool = False
     no_cuda_graph: bool = False

@@ -59,6 +59,25 @@ def test_tiny_shape_reports_every_case_with_its_ratio(capsys):
     )
 
 
+def test_bf16_states_are_run_and_counted_at_two_bytes(capsys):
+    """`--gdn-state-dtype bfloat16`: the engine holds bf16 states, and a decode step's bytes
+    count the state read and written at two bytes a value instead of four."""
+    argv = ("--shape", "tiny", "-n", "3", "-r", "1", "--warmup", "0")
+    rows = {}
+    for state in ("float32", "bfloat16"):
+        report = run_json(capsys, *argv, "--gdn-state-dtype", state)
+        assert report["gdn_state_dtype"] == state
+        rows[state] = report["rows"][0]
+    traffic = Traffic(SHAPES["tiny"], profile_formats(SHAPES["tiny"], "q4"), kv_itemsize=4)
+    halved = traffic.state_bytes_per_sequence()  # fp32 state read + written, halved
+    assert (
+        rows["float32"]["decode_bytes_per_step"] - rows["bfloat16"]["decode_bytes_per_step"]
+        == halved
+    )
+    with pytest.raises(SystemExit):  # argparse's one-line choice error
+        main(["bench", *argv, "--gdn-state-dtype", "float16"])
+
+
 def test_table_output_on_a_moe_shape(capsys):
     argv = ["bench", "--shape", "tiny-moe", "-n", "3", "-r", "1", "--warmup", "0"]
     assert main([*argv, "--device", "cpu"]) == 0

@@ -178,3 +178,17 @@ def test_a_config_that_is_a_directory_or_not_utf8_is_one_error(tmp_path):
     (tmp_path / "latin1.toml").write_bytes(b'stop = ["\xe9"]\n')
     with pytest.raises(ConfigError, match="not valid TOML"):
         settings("run", tmp_path / "latin1.toml")
+
+
+def test_the_gdn_state_dtype_reaches_each_commands_engine(tmp_path):
+    """`gdn-state-dtype` from the flag or a shared file: serve, run and bench take it."""
+    from ninfer.serve.server import engine_config
+
+    config = toml(tmp_path, 'gdn-state-dtype = "bfloat16"\n')
+    assert engine_config(settings("serve", config)).gdn_state_dtype == "bfloat16"
+    assert settings("run", config).gdn_state_dtype == "bfloat16"
+    assert settings("bench", config).gdn_state_dtype == "bfloat16"
+    assert settings("run", None, "--gdn-state-dtype", "bfloat16").gdn_state_dtype == "bfloat16"
+    assert settings("serve", None).gdn_state_dtype == "float32"
+    with pytest.raises(ConfigError, match="gdn_state_dtype"):
+        engine_config(settings("serve", None, "--gdn-state-dtype", "fp16"))

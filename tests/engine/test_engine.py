@@ -423,6 +423,9 @@ def test_arguments_of_the_wrong_type_are_invalid_requests(engine, call):
         {"cuda_graph": "no"},
         {"idle_prefill_chunk": 2.0},
         {"kv_capacity": 4096.0},
+        {"gdn_state_dtype": None},
+        {"gdn_state_dtype": "float16"},
+        {"gdn_state_dtype": "fp32"},
     ],
 )
 def test_engine_settings_of_the_wrong_type_are_config_errors(fields):

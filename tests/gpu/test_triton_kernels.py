@@ -101,6 +101,17 @@ def test_gdn_recurrent(query_lens, num_key_heads, num_value_heads):
     )
 
 
+@pytest.mark.parametrize("query_lens", [[1], [1] * 8, [2, 1, 3]])
+def test_gdn_recurrent_with_bf16_states(query_lens):
+    """bf16 state slots (`EngineConfig.gdn_state_dtype`): read as fp32, updated in fp32 and
+    rounded once when stored, as the reference does."""
+    from ninfer.kernels import gdn_recurrent_triton
+
+    check_gdn_recurrent(
+        gdn_recurrent_triton, query_lens, 16, 48, 128, 128, BF16, "cuda", 1e-2, BF16
+    )
+
+
 def test_gdn_recurrent_fp32_is_tight():
     from ninfer.kernels import gdn_recurrent_triton
 

@@ -164,3 +164,14 @@ def test_rotary(tokens, num_heads):
 
     check_rotary(rotary_triton, tokens, num_heads, 256, 64, BF16, "cuda", 1e-2)
     check_rotary(rotary_triton, tokens, num_heads, 256, 64, torch.float32, "cuda", 1e-5)
+
+
+@pytest.mark.parametrize("query_lens", [[65, 3, 300], [1, 1, 200]], ids=["mixed", "short-rows"])
+def test_gdn_prefill_through_fla_with_bf16_states(query_lens):
+    """bf16 state slots: fla starts from them as fp32 and its final states are rounded back."""
+    pytest.importorskip("fla")
+    from ninfer.kernels import gdn_chunked_fla
+
+    check_gdn_chunked(
+        gdn_chunked_fla, query_lens, 16, 48, 128, 128, BF16, "cuda", 2e-2, state_dtype=BF16
+    )

@@ -49,8 +49,9 @@ def fla_call_on_cpu(
     ("query_lens", "num_key_heads", "num_value_heads"),
     [([5, 70, 1], 2, 4), ([130], 1, 1), ([3, 3, 64, 2], 2, 6)],
 )
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_wrapper_feeds_fla_our_slots_and_writes_final_states_back(
-    monkeypatch, query_lens, num_key_heads, num_value_heads
+    monkeypatch, query_lens, num_key_heads, num_value_heads, state_dtype
 ):
     torch.manual_seed(sum(query_lens))
     monkeypatch.setattr(gdn_chunked_fla, "_fla_rule", lambda: fla_call_on_cpu)
@@ -63,5 +64,6 @@ def test_wrapper_feeds_fla_our_slots_and_writes_final_states_back(
         8,
         torch.float32,
         "cpu",
-        1e-5,
+        1e-5 if state_dtype == torch.float32 else 1e-2,
+        state_dtype,
     )

@@ -63,12 +63,18 @@ def test_paged_decode_attention_matches_reference(interpreted):
     check_paged_attention(module, [1, 70, 200], 4, 2, 32, torch.float16, "cpu", 2e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_recurrent_matches_reference_and_updates_slots(interpreted, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_gdn_recurrent_matches_reference_and_updates_slots(interpreted, dtype, state_dtype):
     module = interpreted("gdn_recurrent_triton")
-    check_gdn_recurrent(
-        module, [1, 3, 1], 2, 4, 16, 32, dtype, "cpu", 1e-5 if dtype == torch.float32 else 1e-2
-    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    check_gdn_recurrent(module, [1, 3, 1], 2, 4, 16, 32, dtype, "cpu", tol, state_dtype)
 
 
 @pytest.mark.parametrize(("query_lens", "first"), [([1], True), ([3], True), ([1, 1], False)])
