@@ -78,6 +78,17 @@ def test_bf16_states_are_run_and_counted_at_two_bytes(capsys):
         main(["bench", *argv, "--gdn-state-dtype", "float16"])
 
 
+def test_the_benched_engine_holds_the_state_in_the_dtype_asked_for():
+    import torch
+
+    from ninfer.bench.targets import NinferTarget, random_model
+
+    model = random_model(SHAPES["tiny"], torch.device("cpu"), torch.float32)
+    case = BenchCase("tg", 1, 2, 1)
+    target = NinferTarget(model, [case], prefill_chunk=64, gdn_state_dtype="bfloat16")
+    assert all(state.dtype == torch.bfloat16 for state in target.core.cache.gdn_state)
+
+
 def test_table_output_on_a_moe_shape(capsys):
     argv = ["bench", "--shape", "tiny-moe", "-n", "3", "-r", "1", "--warmup", "0"]
     assert main([*argv, "--device", "cpu"]) == 0

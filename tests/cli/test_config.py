@@ -182,11 +182,12 @@ def test_a_config_that_is_a_directory_or_not_utf8_is_one_error(tmp_path):
 
 def test_the_gdn_state_dtype_reaches_each_commands_engine(tmp_path):
     """`gdn-state-dtype` from the flag or a shared file: serve, run and bench take it."""
+    from ninfer.cli.run import _engine_config
     from ninfer.serve.server import engine_config
 
     config = toml(tmp_path, 'gdn-state-dtype = "bfloat16"\n')
     assert engine_config(settings("serve", config)).gdn_state_dtype == "bfloat16"
-    assert settings("run", config).gdn_state_dtype == "bfloat16"
+    assert _engine_config(settings("run", config)).gdn_state_dtype == "bfloat16"
     assert settings("bench", config).gdn_state_dtype == "bfloat16"
     assert settings("run", None, "--gdn-state-dtype", "bfloat16").gdn_state_dtype == "bfloat16"
     assert settings("serve", None).gdn_state_dtype == "float32"
