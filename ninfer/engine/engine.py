@@ -686,16 +686,55 @@ def uses_cuda_graphs(config: EngineConfig, model: torch.nn.Module) -> bool:
 def model_cache(
     config: EngineConfig, model: torch.nn.Module, num_pages: int, graphs: bool
 ) -> ModelCache:
-    """The model's K/V pages and a state slot per lane (a scratch page and slot with graphs)."""
-    return ModelCache(
-        model.cache_spec(),
-        num_pages,
-        config.max_concurrency,
-        device=model.device,
-        dtype=model.dtype,
-        state_dtype=getattr(torch, config.gdn_state_dtype),
-        scratch=graphs,
+    """The model's K/V pages and a state slot per lane (a scratch page and slot with graphs).
+    A `ConfigError` that names the sizes, rather than the allocator's error (or, on a host
+    that overcommits, the kernel's OOM killer), where they do not fit in memory."""
+    spec = model.cache_spec()
+    state_dtype = getattr(torch, config.gdn_state_dtype)
+    extra = 1 if graphs else 0
+    kv_bytes = (num_pages + extra) * spec.page_bytes(model.dtype)
+    slot_bytes = (config.max_concurrency + extra) * spec.slot_bytes(model.dtype, state_dtype)
+    needed = kv_bytes + slot_bytes
+    available = host_available_bytes() if model.device.type == "cpu" else None
+    if available is not None and needed > available:
+        raise ConfigError(_cache_too_big(num_pages, kv_bytes, slot_bytes, available, "free memory"))
+    try:
+        return ModelCache(
+            spec,
+            num_pages,
+            config.max_concurrency,
+            device=model.device,
+            dtype=model.dtype,
+            state_dtype=state_dtype,
+            scratch=graphs,
+        )
+    except RuntimeError as error:  # torch.OutOfMemoryError, or the CPU allocator's message
+        if not isinstance(error, torch.OutOfMemoryError) and "alloc" not in str(error):
+            raise
+        raise ConfigError(_cache_too_big(num_pages, kv_bytes, slot_bytes, None, "memory")) from None
+
+
+def _cache_too_big(
+    num_pages: int, kv_bytes: int, slot_bytes: int, available: int | None, where: str
+) -> str:
+    have = f"the {available / 2**30:.1f} GiB of {where}" if available is not None else where
+    return (
+        f"the K/V pool of {num_pages * PAGE_SIZE} tokens ({kv_bytes / 2**30:.1f} GiB) and the "
+        f"state slots ({slot_bytes / 2**30:.1f} GiB) do not fit in {have}; lower max_context, "
+        "kv_capacity or max_concurrency"
     )
+
+
+def host_available_bytes() -> int | None:
+    """The host memory the kernel reports available (MemAvailable, Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def cache_reserve_bytes(config: EngineConfig, model: torch.nn.Module, graphs: bool) -> int:

@@ -226,3 +226,23 @@ def test_an_engine_with_bf16_states_stays_near_the_fp32_one(make_core):
     exact, rounded = logits["float32"], logits["bfloat16"]
     assert not torch.equal(exact, rounded)  # the states were rounded
     assert (rounded - exact).norm() < 1e-3 * exact.norm()
+
+
+def test_a_pool_too_big_for_the_host_is_a_config_error_naming_its_size(make_core, monkeypatch):
+    """A `max_context` whose K/V pool cannot fit in the host's memory stops the start with a
+    ConfigError giving the sizes, before anything is allocated (an overcommitting host would
+    rather kill the process than fail the allocation)."""
+    from ninfer.engine import engine
+    from ninfer.errors import ConfigError
+
+    monkeypatch.setattr(engine, "host_available_bytes", lambda: 50 * 2**20)
+    with pytest.raises(ConfigError, match=r"K/V pool of 640000 tokens .* lower max_context"):
+        make_core(max_context=640_000, kv_capacity=640_000)
+    monkeypatch.setattr(engine, "host_available_bytes", lambda: None)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    monkeypatch.setattr(engine, "ModelCache", refuse)
+    with pytest.raises(ConfigError, match="do not fit in memory"):
+        make_core()
