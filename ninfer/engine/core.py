@@ -137,10 +137,11 @@ class EngineCore:
         self.sequences[seq.request_id] = seq
         return seq
 
-    def abort(self, request_id: str) -> None:
-        """Mark for cancellation; it takes effect at the next step boundary."""
+    def abort(self, request_id: str, request: GenerationRequest | None = None) -> None:
+        """Mark for cancellation; it takes effect at the next step boundary. With `request`,
+        only while that request is the one running under the id."""
         seq = self.sequences.get(request_id)
-        if seq is not None:
+        if seq is not None and (request is None or seq.request is request):
             seq.abort_requested = True
 
     @property

@@ -104,12 +104,13 @@ class RequestHandle:
     request raises its typed error from the iteration. `abort()` cancels at the next step, and
     so does leaving the iteration early."""
 
-    def __init__(self, engine: Engine, request_id: str) -> None:
+    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
         self._engine = engine
-        self.request_id = request_id
+        self._request = request
+        self.request_id = request.request_id
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self.finished = False
-        self._completion = Completion(request_id)  # every event consumed so far, folded
+        self._completion = Completion(self.request_id)  # every event consumed so far, folded
         self._error: BaseException | None = None
 
     def _put(self, event: TokenEvent) -> None:
@@ -132,8 +133,8 @@ class RequestHandle:
             self.abort()
 
     def abort(self) -> None:
-        if not self.finished:
-            self._engine.abort(self.request_id)
+        if not self.finished:  # this request, not a later one under the same id
+            self._engine._abort(self.request_id, self._request)
 
     def result(self) -> Completion:
         """Wait for the end and return everything generated, the events already iterated
@@ -193,6 +194,8 @@ class Engine:
         self.config = core.config
         self.frontend = core.frontend
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # adds whose id an aborted request still holds (`_add`), retried after each step
+        self._deferred: list[tuple[GenerationRequest, EventSink, float]] = []
         self._lock = threading.Lock()
         self._live = 0
         self._closed = False
@@ -211,7 +214,7 @@ class Engine:
         """Queue a request. Events go to the returned handle, or to `sink` (called on the
         engine thread; it must not block) when given."""
         self.core.validate(request)
-        handle = RequestHandle(self, request.request_id)
+        handle = RequestHandle(self, request)
         deliver = handle._put if sink is None else sink
         limit = self.config.max_concurrency + self.config.max_pending_requests
         with self._lock:
@@ -227,7 +230,14 @@ class Engine:
         return handle
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        """Cancel the request running under `request_id` at the next step (nothing if none
+        is). A request submitted again under the same id right after starts once the aborted
+        one has ended."""
+        self._abort(request_id, None)
+
+    def _abort(self, request_id: str, request: GenerationRequest | None) -> None:
+        """Abort `request_id`, or only while it is the `request` given (a handle's abort)."""
+        self._inbox.put(("abort", (request_id, request)))
 
     def generate(
         self,
@@ -381,7 +391,7 @@ class Engine:
                     if kind == "add":
                         self._add(*payload)
                     elif kind == "abort":
-                        core.abort(payload)
+                        core.abort(*payload)
                     command = self._poll()
                 try:
                     core.step()
@@ -395,6 +405,7 @@ class Engine:
                         log.error("%d engine steps failed in a row: ending every request", failures)
                         core.fail_all(EngineError(f"the engine step failed: {exc!r}"))
                         failures = 0
+                self._add_deferred()
         except BaseException as exc:  # a bug in the loop itself: fail everything, refuse more
             log.exception("engine thread died")
             with self._lock:
@@ -405,7 +416,11 @@ class Engine:
             raise
 
     def _end_queued(self, error: Exception) -> None:
-        """End the requests still in the inbox (the engine takes no more: `_closed` is set)."""
+        """End the requests still in the inbox, or waiting for an aborted request's id (the
+        engine takes no more: `_closed` is set)."""
+        deferred, self._deferred = self._deferred, []
+        for request, sink, _ in deferred:
+            sink(TokenEvent(request.request_id, finish_reason="error", error=error))
         while (command := self._poll()) is not None:
             kind, payload = command
             if kind == "add":
@@ -419,10 +434,21 @@ class Engine:
             return None
 
     def _add(self, request: GenerationRequest, sink: EventSink, submitted_at: float) -> None:
+        running = self.core.sequences.get(request.request_id)
+        if running is not None and running.abort_requested:
+            # its id is taken until the aborted request ends, at the next step
+            self._deferred.append((request, sink, submitted_at))
+            return
         try:
             self.core.add(request, sink, submitted_at)
         except NinferError as exc:  # e.g. a duplicate request id
             sink(TokenEvent(request.request_id, finish_reason="error", error=exc))
+
+    def _add_deferred(self) -> None:
+        """Add the requests that waited for an aborted request's id, in the order given."""
+        deferred, self._deferred = self._deferred, []
+        for payload in deferred:
+            self._add(*payload)
 
 
 class AsyncRequestStream:
@@ -440,6 +466,7 @@ class AsyncRequestStream:
                 pass
 
         self.request_id = request.request_id
+        self._request = request
         self._engine = engine
         self._handle = engine.submit(request, sink=sink)
         self.finished = False
@@ -460,8 +487,8 @@ class AsyncRequestStream:
             self.abort()
 
     def abort(self) -> None:
-        if not self.finished:
-            self._engine.abort(self.request_id)
+        if not self.finished:  # this request, not a later one under the same id
+            self._engine._abort(self.request_id, self._request)
 
     async def result(self) -> Completion:
         completion = Completion(self.request_id)

@@ -158,6 +158,34 @@ def test_abort_from_another_thread_ends_the_stream(engine):
     assert len(events) < 400
 
 
+def test_an_id_submitted_again_right_after_its_abort_runs_once_the_first_has_ended(engine):
+    """Abort, then submit under the same id at once: the second request waits for the first
+    to end (its abort takes effect at a step boundary) instead of being refused as already
+    running."""
+    long = SamplingParams.greedy(max_tokens=400, ignore_eos=True)
+    first = engine.submit(GenerationRequest([1, 2], long, request_id="same"))
+    next(iter(first))
+    engine.abort("same")
+    second = engine.submit(GenerationRequest([3, 4], GREEDY, request_id="same"))
+    assert first.result().finish_reason == "abort"
+    completion = second.result()
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 8
+
+
+def test_a_handles_late_abort_leaves_a_later_request_with_its_id_alone(engine):
+    """A handle aborts its own request only: one that finished unread, aborted after a new
+    request took its id, does not end the new one."""
+    ended = threading.Event()
+    request = GenerationRequest([1, 2], GREEDY, request_id="reused")
+    done = engine.submit(request, sink=lambda event: event.finished and ended.set())
+    assert ended.wait(60)  # ended on the engine thread; the handle has read nothing
+    later = engine.submit(
+        GenerationRequest([3], SamplingParams.greedy(max_tokens=40, ignore_eos=True), "reused")
+    )
+    done.abort()  # not finished as far as the handle knows
+    assert later.result().finish_reason == "length"
+
+
 def test_close_ends_running_requests_with_engine_closed(artifact_path):
     eng = ninfer.Engine(artifact_path, device="cpu")
     handle = eng.submit(
