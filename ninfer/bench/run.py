@@ -19,7 +19,7 @@ from ninfer.bench.ceilings import copy_bandwidth, matmul_rate
 from ninfer.bench.profile import format_profile, profile_case
 from ninfer.bench.shapes import SHAPES
 from ninfer.bench.traffic import Traffic, artifact_formats, profile_formats
-from ninfer.engine.config import IDLE_CHUNK_FACTOR
+from ninfer.engine.config import GDN_STATE_DTYPES, IDLE_CHUNK_FACTOR
 from ninfer.engine.engine import device_and_dtype
 from ninfer.errors import ConfigError
 
@@ -127,6 +127,10 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     if ranks > 1 and options.profile:
         raise ConfigError("--profile runs on one rank: leave out --tensor-parallel")
     device, dtype = device_and_dtype(options.device, options.dtype)
+    if options.gdn_state_dtype not in GDN_STATE_DTYPES:
+        raise ConfigError(
+            f"gdn_state_dtype {options.gdn_state_dtype!r}: choose from {', '.join(GDN_STATE_DTYPES)}"
+        )
     torch.manual_seed(options.seed)
     kv_itemsize = dtype.itemsize
     state_itemsize = getattr(torch, options.gdn_state_dtype).itemsize

@@ -801,7 +801,9 @@ def pool_pages(
     fit = (free - config.kv_headroom_bytes - reserve_bytes) // page_bytes
     if fit < per_request:
         raise ConfigError(
-            f"only {max(fit, 0) * PAGE_SIZE} tokens of K/V fit in free GPU memory; one request "
-            f"of max_context {config.max_context} needs {per_request * PAGE_SIZE}"
+            f"only {max(fit, 0) * PAGE_SIZE} tokens of K/V fit in free GPU memory next to "
+            f"{reserve_bytes / 2**30:.1f} GiB of state slots and graph pool; one request of "
+            f"max_context {config.max_context} needs {per_request * PAGE_SIZE} (fewer lanes or "
+            "a bf16 GDN state leave more)"
         )
     return min(fit, most_useful)

@@ -189,6 +189,17 @@ def test_the_auto_pool_leaves_room_for_every_state_slot(make_core, monkeypatch):
         config = EngineConfig(max_concurrency=5, gdn_state_dtype=state_dtype)
         slot = spec.slot_bytes(model.dtype, getattr(torch, state_dtype))
         assert engine.cache_reserve_bytes(config, model, graphs=False) == 5 * slot
+    monkeypatch.setattr(engine, "graph_reserve_bytes", lambda config, model: 1000)
+    with_graphs = engine.cache_reserve_bytes(config, model, graphs=True)  # the scratch slot too
+    assert with_graphs == 6 * spec.slot_bytes(model.dtype, torch.bfloat16) + 1000
+    seen = []
+    pool_pages = engine.pool_pages
+    monkeypatch.setattr(
+        engine, "pool_pages", lambda *a, **k: seen.append(k["reserve_bytes"]) or pool_pages(*a)
+    )
+    make_core(max_concurrency=5, kv_capacity="auto")  # build_core sets the slots aside
+    assert seen == [5 * spec.slot_bytes(model.dtype)]
+    monkeypatch.setattr(engine, "pool_pages", pool_pages)
     free = 10**9
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
     config = EngineConfig(max_context=1 << 20, max_concurrency=4, kv_headroom_bytes=0)

@@ -86,9 +86,17 @@ def count_replays(core) -> dict[str, int]:
 @pytest.mark.parametrize(
     ("max_concurrency", "prefill_chunk"), [(1, 1024), (3, 64), (8, 128)], ids=str
 )
-def test_greedy_tokens_with_graphs_equal_tokens_without(max_concurrency, prefill_chunk):
+@pytest.mark.parametrize("gdn_state_dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_with_graphs_equal_tokens_without(
+    max_concurrency, prefill_chunk, gdn_state_dtype
+):
     requests = mixed_requests(max_concurrency, 12)
-    fields = dict(max_context=512, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk)
+    fields = dict(
+        max_context=512,
+        max_concurrency=max_concurrency,
+        prefill_chunk=prefill_chunk,
+        gdn_state_dtype=gdn_state_dtype,
+    )
     eager = tokens(shipped_model_path(), requests, cuda_graph=False, **fields)
     graphed = tokens(shipped_model_path(), requests, cuda_graph=True, **fields)
     assert graphed == eager

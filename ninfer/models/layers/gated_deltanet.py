@@ -1,5 +1,6 @@
 """Gated DeltaNet mixer: projections, causal conv (window carried in a state slot) + SiLU,
-gated delta rule with an fp32 state per slot (chunked for prefill, recurrent for decode),
+gated delta rule with a state per slot (fp32, or bf16 updated in fp32: `gdn_state_dtype`;
+chunked for prefill, recurrent for decode),
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
 in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
 the GPU a decode step then computes the b|a product and the gates inside the recurrent
