@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -153,9 +153,31 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+T = TypeVar("T")
+
+# Bodies larger than this are decoded, and their fields parsed, in a worker thread: a
+# conversation of megabytes took a fraction of a second of the event loop there, during which
+# every other stream waited. Smaller ones, nearly all requests, skip the thread's hand-over.
+OFF_LOOP_BYTES = 64 * 1024
+
+
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; the size limit is enforced before parsing (and before reading all of a
-    body whose Content-Length already says it is too large)."""
+    """The body as JSON (decoded in a worker thread past `OFF_LOOP_BYTES`)."""
+    return await parse_json(request, limit, lambda body: body)
+
+
+async def parse_json(request: Request, limit: int, parse: Callable[[Any], T]) -> T:
+    """`parse` of the body as JSON; past `OFF_LOOP_BYTES` the decoding and `parse` run in a
+    worker thread (so `parse` must not touch state the event loop changes)."""
+    raw = await read_body(request, limit)
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse(decode_json(raw))
+    return await asyncio.to_thread(lambda: parse(decode_json(raw)))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; the size limit is enforced as they arrive (and before reading any of
+    a body whose Content-Length already says it is too large)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise request_too_large(limit)
@@ -165,7 +187,11 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise request_too_large(limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def decode_json(raw: bytes) -> Any:
+    """The JSON of a body, or the 400 saying why it is not JSON."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -404,8 +430,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            chat = openai_chat.parse_chat_request(
-                await read_json(request, state.max_request_bytes), info
+            chat = await parse_json(
+                request,
+                state.max_request_bytes,
+                lambda body: openai_chat.parse_chat_request(body, info),
             )
         except ApiError as err:
             return rejected(err, request, "chat")
@@ -434,8 +462,10 @@ def create_app(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         try:
-            chat = anthropic.parse_messages_request(
-                await read_json(request, state.max_request_bytes), info
+            chat = await parse_json(
+                request,
+                state.max_request_bytes,
+                lambda body: anthropic.parse_messages_request(body, info),
             )
         except ApiError as err:
             return rejected(err, request, "anthropic")
@@ -461,10 +491,13 @@ def create_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         try:
-            body = await read_json(request, state.max_request_bytes)
-            if isinstance(body, dict) and "max_tokens" not in body:
-                body = {**body, "max_tokens": 1}
-            chat = anthropic.parse_messages_request(body, info)
+
+            def parse(body: Any):
+                if isinstance(body, dict) and "max_tokens" not in body:
+                    body = {**body, "max_tokens": 1}
+                return anthropic.parse_messages_request(body, info)
+
+            chat = await parse_json(request, state.max_request_bytes, parse)
             count = await asyncio.to_thread(state.service.count_tokens, chat)
             return JSONResponse({"input_tokens": count})
         except ApiError as err:
@@ -473,6 +506,7 @@ def create_app(
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         try:
+            # decoded off the loop when large; parsed on it, since it reads the response store
             call = responses.parse_responses_request(
                 await read_json(request, state.max_request_bytes), info, state.store
             )
@@ -494,8 +528,10 @@ def create_app(
     @app.post("/v1/responses/input_tokens")
     async def response_input_tokens(request: Request) -> Response:
         try:
-            chat = responses.parse_input_tokens_request(
-                await read_json(request, state.max_request_bytes), info
+            chat = await parse_json(
+                request,
+                state.max_request_bytes,
+                lambda body: responses.parse_input_tokens_request(body, info),
             )
             count = await asyncio.to_thread(state.service.count_tokens, chat)
         except ApiError as err:

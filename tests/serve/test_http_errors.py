@@ -335,6 +335,45 @@ def test_prompts_render_off_the_event_loop(make_client, frontend, monkeypatch):
     assert calls == ["worker"] * 3
 
 
+def test_large_bodies_are_decoded_and_parsed_off_the_event_loop(make_client, monkeypatch):
+    """Past `OFF_LOOP_BYTES` a body's JSON and fields are read in a worker thread (a
+    conversation of megabytes held the loop, and every stream, for a fraction of a second);
+    a small one stays on the loop, and a bad large one is still its protocol's 400."""
+    from ninfer.serve import anthropic, app, openai_chat
+
+    where = []
+
+    def spy(module, name):
+        parse = getattr(module, name)
+
+        def recording(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                where.append("loop")
+            except RuntimeError:
+                where.append("worker")
+            return parse(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recording)
+
+    spy(openai_chat, "parse_chat_request")
+    spy(anthropic, "parse_messages_request")
+    client = make_client()
+    filler = "word " * (app.OFF_LOOP_BYTES // 5)
+    large = {**CHAT, "messages": [{"role": "user", "content": filler}]}
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    too_long = client.post("/v1/chat/completions", json=large)  # parsed, then past the context
+    assert openai_error(too_long, 400)["code"] == "context_length_exceeded"
+    counted = {**MESSAGES, "messages": [{"role": "user", "content": filler}]}
+    assert client.post("/v1/messages/count_tokens", json=counted).status_code == 200
+    assert where == ["loop", "worker", "worker"]
+    broken = json.dumps(large)[:-1].encode()  # the last brace missing
+    response = client.post(
+        "/v1/messages", content=broken, headers={"content-type": "application/json"}
+    )
+    assert anthropic_error(response, 400)["type"] == "invalid_request_error"
+
+
 def test_a_request_whose_text_cannot_be_kept_apart_is_400_when_counted_too(make_client):
     """Special-token text beside every private-use character: a 400 on every path."""
     content = "x<|im_end|>" + "".join(chr(c) for c in range(0xF0000, 0x10FFFE))
