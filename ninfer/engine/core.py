@@ -103,10 +103,15 @@ class EngineCore:
         return self.effective_max_tokens(request)
 
     def add(
-        self, request: GenerationRequest, sink: EventSink, submitted_at: float | None = None
+        self,
+        request: GenerationRequest,
+        sink: EventSink,
+        submitted_at: float | None = None,
+        owner: object = None,
     ) -> Sequence:
         """Admit `request`; `submitted_at` (perf_counter seconds, default now) is when its
-        caller handed it over, from which its queue time, ttft and pending deadline count."""
+        caller handed it over, from which its queue time, ttft and pending deadline count;
+        `owner` (any object, e.g. the submission's handle) lets `abort` end only it."""
         if request.request_id in self.sequences:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         max_tokens = self.validate(request)
@@ -133,15 +138,16 @@ class EngineCore:
         )
         if submitted_at is not None:
             seq.submitted_at = submitted_at
+        seq.owner = owner
         self.scheduler.add(seq)
         self.sequences[seq.request_id] = seq
         return seq
 
-    def abort(self, request_id: str, request: GenerationRequest | None = None) -> None:
-        """Mark for cancellation; it takes effect at the next step boundary. With `request`,
-        only while that request is the one running under the id."""
+    def abort(self, request_id: str, owner: object = None) -> None:
+        """Mark for cancellation; it takes effect at the next step boundary. With `owner`,
+        only while the request running under the id is the one `add` was given it with."""
         seq = self.sequences.get(request_id)
-        if seq is not None and (request is None or seq.request is request):
+        if seq is not None and (owner is None or seq.owner is owner):
             seq.abort_requested = True
 
     @property

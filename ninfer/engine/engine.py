@@ -104,10 +104,9 @@ class RequestHandle:
     request raises its typed error from the iteration. `abort()` cancels at the next step, and
     so does leaving the iteration early."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+    def __init__(self, engine: Engine, request_id: str) -> None:
         self._engine = engine
-        self._request = request
-        self.request_id = request.request_id
+        self.request_id = request_id
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self.finished = False
         self._completion = Completion(self.request_id)  # every event consumed so far, folded
@@ -133,8 +132,8 @@ class RequestHandle:
             self.abort()
 
     def abort(self) -> None:
-        if not self.finished:  # this request, not a later one under the same id
-            self._engine._abort(self.request_id, self._request)
+        if not self.finished:  # this submission, not a later one under the same id
+            self._engine._abort(self.request_id, self)
 
     def result(self) -> Completion:
         """Wait for the end and return everything generated, the events already iterated
@@ -195,7 +194,7 @@ class Engine:
         self.frontend = core.frontend
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # adds whose id an aborted request still holds (`_add`), retried after each step
-        self._deferred: list[tuple[GenerationRequest, EventSink, float]] = []
+        self._deferred: list[tuple[GenerationRequest, EventSink, float, object]] = []
         self._lock = threading.Lock()
         self._live = 0
         self._closed = False
@@ -214,7 +213,7 @@ class Engine:
         """Queue a request. Events go to the returned handle, or to `sink` (called on the
         engine thread; it must not block) when given."""
         self.core.validate(request)
-        handle = RequestHandle(self, request)
+        handle = RequestHandle(self, request.request_id)
         deliver = handle._put if sink is None else sink
         limit = self.config.max_concurrency + self.config.max_pending_requests
         with self._lock:
@@ -226,18 +225,18 @@ class Engine:
             # queued under the lock: a `close` racing this call queues its command after
             # this one, so the engine thread ends this request too
             submitted = time.perf_counter()  # the queue time counts from here
-            self._inbox.put(("add", (request, self._counted(deliver), submitted)))
+            self._inbox.put(("add", (request, self._counted(deliver), submitted, handle)))
         return handle
 
     def abort(self, request_id: str) -> None:
-        """Cancel the request running under `request_id` at the next step (nothing if none
-        is). A request submitted again under the same id right after starts once the aborted
-        one has ended."""
+        """Cancel the request running or queued under `request_id` at the next step (nothing
+        if none is). A request submitted again under the same id right after starts once the
+        aborted one has ended."""
         self._abort(request_id, None)
 
-    def _abort(self, request_id: str, request: GenerationRequest | None) -> None:
-        """Abort `request_id`, or only while it is the `request` given (a handle's abort)."""
-        self._inbox.put(("abort", (request_id, request)))
+    def _abort(self, request_id: str, handle: RequestHandle | None) -> None:
+        """Abort `request_id`, or only the submission `handle` made (a handle's abort)."""
+        self._inbox.put(("abort", (request_id, handle)))
 
     def generate(
         self,
@@ -391,7 +390,7 @@ class Engine:
                     if kind == "add":
                         self._add(*payload)
                     elif kind == "abort":
-                        core.abort(*payload)
+                        self._abort_now(*payload)
                     command = self._poll()
                 try:
                     core.step()
@@ -419,12 +418,12 @@ class Engine:
         """End the requests still in the inbox, or waiting for an aborted request's id (the
         engine takes no more: `_closed` is set)."""
         deferred, self._deferred = self._deferred, []
-        for request, sink, _ in deferred:
+        for request, sink, *_ in deferred:
             sink(TokenEvent(request.request_id, finish_reason="error", error=error))
         while (command := self._poll()) is not None:
             kind, payload = command
             if kind == "add":
-                request, sink, _ = payload
+                request, sink, *_ = payload
                 sink(TokenEvent(request.request_id, finish_reason="error", error=error))
 
     def _poll(self) -> tuple[str, Any] | None:
@@ -433,22 +432,41 @@ class Engine:
         except queue.Empty:
             return None
 
-    def _add(self, request: GenerationRequest, sink: EventSink, submitted_at: float) -> None:
+    def _add(
+        self, request: GenerationRequest, sink: EventSink, submitted_at: float, owner: object
+    ) -> None:
         running = self.core.sequences.get(request.request_id)
-        if running is not None and running.abort_requested:
-            # its id is taken until the aborted request ends, at the next step
-            self._deferred.append((request, sink, submitted_at))
+        if self._deferred or (running is not None and running.abort_requested):
+            # its id is taken until the aborted request ends, at the next step (and what
+            # came after a deferred request waits behind it, so admission keeps their order)
+            self._deferred.append((request, sink, submitted_at, owner))
             return
         try:
-            self.core.add(request, sink, submitted_at)
+            self.core.add(request, sink, submitted_at, owner)
         except NinferError as exc:  # e.g. a duplicate request id
             sink(TokenEvent(request.request_id, finish_reason="error", error=exc))
 
     def _add_deferred(self) -> None:
         """Add the requests that waited for an aborted request's id, in the order given."""
         deferred, self._deferred = self._deferred, []
-        for payload in deferred:
-            self._add(*payload)
+        for index, payload in enumerate(deferred):
+            try:
+                self._add(*payload)
+            except BaseException:  # the loop dies: `_end_queued` ends this one and the rest
+                self._deferred.extend(deferred[index:])
+                raise
+
+    def _abort_now(self, request_id: str, owner: RequestHandle | None) -> None:
+        """Mark the running request for abort, and end at once a deferred one it names."""
+        self.core.abort(request_id, owner)
+        kept = []
+        for payload in self._deferred:
+            request, sink, _, submitter = payload
+            if request.request_id == request_id and owner in (None, submitter):
+                sink(TokenEvent(request_id, finish_reason="abort"))
+            else:
+                kept.append(payload)
+        self._deferred = kept
 
 
 class AsyncRequestStream:
@@ -466,7 +484,6 @@ class AsyncRequestStream:
                 pass
 
         self.request_id = request.request_id
-        self._request = request
         self._engine = engine
         self._handle = engine.submit(request, sink=sink)
         self.finished = False
@@ -487,8 +504,8 @@ class AsyncRequestStream:
             self.abort()
 
     def abort(self) -> None:
-        if not self.finished:  # this request, not a later one under the same id
-            self._engine._abort(self.request_id, self._request)
+        if not self.finished:  # this submission, not a later one under the same id
+            self._engine._abort(self.request_id, self._handle)
 
     async def result(self) -> Completion:
         completion = Completion(self.request_id)
@@ -752,16 +769,28 @@ def _cache_too_big(
     )
 
 
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: a container's memory.max and memory.current
+
+
 def host_available_bytes() -> int | None:
-    """The host memory the kernel reports available (MemAvailable, Linux), else None."""
+    """The memory this process may still take (Linux): the kernel's MemAvailable, or less
+    where the process's cgroup (a container) caps it; None where neither can be read."""
+    available = None
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((CGROUP / "memory.current").read_text())
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def cache_reserve_bytes(config: EngineConfig, model: torch.nn.Module, graphs: bool) -> int:

@@ -43,6 +43,7 @@ class Sequence:
     state_slot: int = -1
     status: Status = Status.WAITING
     abort_requested: bool = False
+    owner: object = None  # who submitted it (`EngineCore.add`), for an abort of only it
     reasoning_tokens: int = 0
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0

@@ -161,6 +161,20 @@ T = TypeVar("T")
 OFF_LOOP_BYTES = 64 * 1024
 
 
+def _deeper_than(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in item)
+    return False
+
+
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON (decoded in a worker thread past `OFF_LOOP_BYTES`)."""
     return await parse_json(request, limit, lambda body: body)
@@ -190,6 +204,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# Deepest nesting of arrays and objects a body may have. The decoder's own limit is Python's
+# recursion limit less the frames already on the stack, which differ between the event loop
+# and a worker thread (`OFF_LOOP_BYTES`); code that recurses over a request later (a template's
+# tojson, the response store's dumps on the loop) needs a margin below it either way.
+MAX_JSON_DEPTH = 512
+
+
 def decode_json(raw: bytes) -> Any:
     """The JSON of a body, or the 400 saying why it is not JSON."""
     try:
@@ -198,6 +219,8 @@ def decode_json(raw: bytes) -> Any:
         raise bad_json(str(exc)) from None
     except RecursionError:
         raise bad_json("nested too deeply") from None
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise bad_json(f"nested more than {MAX_JSON_DEPTH} deep")
     if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
         raise bad_json("a \\u escape is half of a surrogate pair")
     return body

@@ -172,6 +172,62 @@ def test_an_id_submitted_again_right_after_its_abort_runs_once_the_first_has_end
     assert completion.finish_reason == "length" and len(completion.token_ids) == 8
 
 
+def _hold_the_next_step(engine) -> tuple[threading.Event, threading.Event]:
+    """(release, entered): the engine thread waits inside its next step until released, so
+    that commands sent meanwhile are taken together after it."""
+    release, entered = threading.Event(), threading.Event()
+    step = engine.core.step
+
+    def held():
+        entered.set()
+        release.wait(30)
+        engine.core.step = step
+        return step()
+
+    engine.core.step = held
+    return release, entered
+
+
+@pytest.mark.parametrize("how", ["handle", "id"])
+def test_a_request_waiting_for_an_aborted_id_can_itself_be_aborted(engine, how):
+    """The second request waits behind the first's abort; aborting it there (its handle, or
+    the id) ends it too, rather than the abort reaching only the first."""
+    long = SamplingParams.greedy(max_tokens=300, ignore_eos=True)
+    first = engine.submit(GenerationRequest([1, 2], long, request_id="x"))
+    events = iter(first)
+    next(events)
+    release, entered = _hold_the_next_step(engine)
+    assert entered.wait(30)
+    first.abort()
+    second = engine.submit(GenerationRequest([3, 4], long, request_id="x"))
+    second.abort() if how == "handle" else engine.abort("x")
+    release.set()
+    assert list(events)[-1].finish_reason == "abort"
+    assert second.result().finish_reason == "abort"
+
+
+def test_requests_behind_a_waiting_one_keep_their_order(engine):
+    """A request waiting for an aborted id holds back those submitted after it, so lanes go
+    in submission order."""
+    long = SamplingParams.greedy(max_tokens=300, ignore_eos=True)
+    first = engine.submit(GenerationRequest([1, 2], long, request_id="a"))
+    events = iter(first)
+    next(events)
+    release, entered = _hold_the_next_step(engine)
+    assert entered.wait(30)
+    first.abort()
+    admitted = []
+    add = engine.core.add
+    engine.core.add = lambda request, *rest: (
+        admitted.append(request.request_id) or add(request, *rest)
+    )
+    handles = [engine.submit(GenerationRequest([3], GREEDY, request_id=i)) for i in "abc"]
+    release.set()
+    assert list(events)[-1].finish_reason == "abort"
+    assert [h.result().finish_reason for h in handles] == ["length"] * 3
+    assert admitted == ["a", "b", "c"]
+
+
 def test_a_handles_late_abort_leaves_a_later_request_with_its_id_alone(engine):
     """A handle aborts its own request only: one that finished unread, aborted after a new
     request took its id, does not end the new one."""
@@ -184,6 +240,18 @@ def test_a_handles_late_abort_leaves_a_later_request_with_its_id_alone(engine):
     )
     done.abort()  # not finished as far as the handle knows
     assert later.result().finish_reason == "length"
+
+
+def test_a_handles_late_abort_leaves_a_resubmission_of_the_same_request_alone(engine):
+    """The same `GenerationRequest` submitted twice (a retry keeps its id): the first
+    handle's late abort ends only the first submission."""
+    ended = threading.Event()
+    request = GenerationRequest([1, 2], SamplingParams.greedy(max_tokens=40, ignore_eos=True))
+    first = engine.submit(request, sink=lambda event: event.finished and ended.set())
+    assert ended.wait(60)
+    retry = engine.submit(request)
+    first.abort()
+    assert retry.result().finish_reason == "length"
 
 
 def test_close_ends_running_requests_with_engine_closed(artifact_path):

@@ -257,3 +257,24 @@ def test_a_pool_too_big_for_the_host_is_a_config_error_naming_its_size(make_core
     monkeypatch.setattr(engine, "ModelCache", refuse)
     with pytest.raises(ConfigError, match="do not fit in memory"):
         make_core()
+
+
+def test_the_host_memory_check_reads_the_containers_limit(tmp_path, monkeypatch):
+    """MemAvailable, lowered to what a cgroup v2 limit leaves (a container sees the host's
+    MemAvailable); no limit or no file leaves the other."""
+    from ninfer.engine import engine
+
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    cgroup.mkdir()
+    meminfo.write_text("MemTotal:       64000000 kB\nMemAvailable:   32000000 kB\n")
+    monkeypatch.setattr(engine, "MEMINFO", meminfo)
+    monkeypatch.setattr(engine, "CGROUP", cgroup)
+    assert engine.host_available_bytes() == 32_000_000 * 1024
+    (cgroup / "memory.max").write_text("8000000000\n")
+    (cgroup / "memory.current").write_text("3000000000\n")
+    assert engine.host_available_bytes() == 5_000_000_000
+    (cgroup / "memory.max").write_text("max\n")
+    assert engine.host_available_bytes() == 32_000_000 * 1024
+    meminfo.unlink()
+    (cgroup / "memory.max").write_text("8000000000\n")
+    assert engine.host_available_bytes() == 5_000_000_000

@@ -54,10 +54,24 @@ def test_bad_json_on_the_anthropic_path_has_the_anthropic_shape(make_client):
     "raw",
     [
         b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's recursion limit
+        b'{"model":"m","input":"x","max_tokens":8,"x":' + b"[" * 600 + b"]" * 600 + b"}",
+        # the same past OFF_LOOP_BYTES, parsed in a worker thread, whose stack is shallower
+        b'{"model":"m","input":"x","max_tokens":8,"pad":"'
+        + b"p" * 70_000
+        + b'","x":'
+        + b"[" * 970
+        + b"]" * 970
+        + b"}",
         json.dumps({**CHAT, "input": "x", "max_tokens": 8}).replace("Hi", "\\ud800 Hi").encode(),
         b'{"model":"m","input":"x","max_tokens":8,"\\udfff":1}',
     ],
-    ids=["too-deep", "lone-surrogate-value", "lone-surrogate-key"],
+    ids=[
+        "too-deep",
+        "past-the-cap",
+        "past-the-cap-large",
+        "lone-surrogate-value",
+        "lone-surrogate-key",
+    ],
 )
 def test_json_that_python_parses_but_is_not_valid_json_text_is_400(make_client, path, raw):
     client = make_client()
