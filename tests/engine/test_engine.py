@@ -188,17 +188,26 @@ def _hold_the_next_step(engine) -> tuple[threading.Event, threading.Event]:
     return release, entered
 
 
-@pytest.mark.parametrize("how", ["handle", "id"])
-def test_a_request_waiting_for_an_aborted_id_can_itself_be_aborted(engine, how):
-    """The second request waits behind the first's abort; aborting it there (its handle, or
-    the id) ends it too, rather than the abort reaching only the first."""
+def _first_aborted_inside_a_step(engine, request_id: str):
+    """(events, release): a long request under `request_id`, aborted while the engine thread
+    is held inside a step (so that what is sent next is taken with the abort, before the
+    aborted request has ended); its remaining events, and the step's release."""
     long = SamplingParams.greedy(max_tokens=300, ignore_eos=True)
-    first = engine.submit(GenerationRequest([1, 2], long, request_id="x"))
+    first = engine.submit(GenerationRequest([1, 2], long, request_id=request_id))
     events = iter(first)
     next(events)
     release, entered = _hold_the_next_step(engine)
     assert entered.wait(30)
     first.abort()
+    return events, release
+
+
+@pytest.mark.parametrize("how", ["handle", "id"])
+def test_a_request_waiting_for_an_aborted_id_can_itself_be_aborted(engine, how):
+    """The second request waits behind the first's abort; aborting it there (its handle, or
+    the id) ends it too, rather than the abort reaching only the first."""
+    events, release = _first_aborted_inside_a_step(engine, "x")
+    long = SamplingParams.greedy(max_tokens=300, ignore_eos=True)
     second = engine.submit(GenerationRequest([3, 4], long, request_id="x"))
     second.abort() if how == "handle" else engine.abort("x")
     release.set()
@@ -209,13 +218,7 @@ def test_a_request_waiting_for_an_aborted_id_can_itself_be_aborted(engine, how):
 def test_requests_behind_a_waiting_one_keep_their_order(engine):
     """A request waiting for an aborted id holds back those submitted after it, so lanes go
     in submission order."""
-    long = SamplingParams.greedy(max_tokens=300, ignore_eos=True)
-    first = engine.submit(GenerationRequest([1, 2], long, request_id="a"))
-    events = iter(first)
-    next(events)
-    release, entered = _hold_the_next_step(engine)
-    assert entered.wait(30)
-    first.abort()
+    events, release = _first_aborted_inside_a_step(engine, "a")
     admitted = []
     add = engine.core.add
     engine.core.add = lambda request, *rest: (

@@ -326,11 +326,9 @@ def test_metrics_count_finished_and_rejected_requests(make_client):
     assert 'ninfer:num_requests_running{model_name="tiny-test"} 0.0' in text
 
 
-def test_prompts_render_off_the_event_loop(make_client, frontend, monkeypatch):
-    """The template and the tokenizer run in a worker thread (a long conversation takes
-    seconds), for a generation and for both token counts; other requests meanwhile go on."""
-    calls = []
-    render = frontend.render
+def recording_where(function, calls: list[str]):
+    """`function`, appending to `calls` whether each call ran on the event loop or in a
+    worker thread."""
 
     def recording(*args, **kwargs):
         try:
@@ -338,9 +336,16 @@ def test_prompts_render_off_the_event_loop(make_client, frontend, monkeypatch):
             calls.append("loop")
         except RuntimeError:
             calls.append("worker")
-        return render(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    monkeypatch.setattr(frontend, "render", recording)
+    return recording
+
+
+def test_prompts_render_off_the_event_loop(make_client, frontend, monkeypatch):
+    """The template and the tokenizer run in a worker thread (a long conversation takes
+    seconds), for a generation and for both token counts; other requests meanwhile go on."""
+    calls = []
+    monkeypatch.setattr(frontend, "render", recording_where(frontend.render, calls))
     client = make_client()
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert client.post("/v1/messages/count_tokens", json=MESSAGES).status_code == 200
@@ -356,22 +361,11 @@ def test_large_bodies_are_decoded_and_parsed_off_the_event_loop(make_client, mon
     from ninfer.serve import anthropic, app, openai_chat
 
     where = []
-
-    def spy(module, name):
-        parse = getattr(module, name)
-
-        def recording(*args, **kwargs):
-            try:
-                asyncio.get_running_loop()
-                where.append("loop")
-            except RuntimeError:
-                where.append("worker")
-            return parse(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, recording)
-
-    spy(openai_chat, "parse_chat_request")
-    spy(anthropic, "parse_messages_request")
+    for module, name in (
+        (openai_chat, "parse_chat_request"),
+        (anthropic, "parse_messages_request"),
+    ):
+        monkeypatch.setattr(module, name, recording_where(getattr(module, name), where))
     client = make_client()
     filler = "word " * (app.OFF_LOOP_BYTES // 5)
     large = {**CHAT, "messages": [{"role": "user", "content": filler}]}
