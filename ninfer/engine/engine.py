@@ -192,14 +192,7 @@ class Engine:
         self.core = core
         self.config = core.config
         self.frontend = core.frontend
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        # adds whose id an aborted request still holds (`_add`), retried after each step
-        self._deferred: list[tuple[GenerationRequest, EventSink, float, object]] = []
-        self._lock = threading.Lock()
-        self._live = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
-        self._thread.start()
+        self._worker = _EngineThread(core)
         _OPEN_ENGINES.add(self)
 
     # ---- public API ----------------------------------------------------------------------
@@ -216,16 +209,17 @@ class Engine:
         handle = RequestHandle(self, request.request_id)
         deliver = handle._put if sink is None else sink
         limit = self.config.max_concurrency + self.config.max_pending_requests
-        with self._lock:
-            if self._closed:
+        worker = self._worker
+        with worker.lock:
+            if worker.closed:
                 raise EngineClosed("the engine is closed")
-            if self._live >= limit:
+            if worker.live >= limit:
                 raise QueueFull(self.config.max_pending_requests)
-            self._live += 1
+            worker.live += 1
             # queued under the lock: a `close` racing this call queues its command after
             # this one, so the engine thread ends this request too
             submitted = time.perf_counter()  # the queue time counts from here
-            self._inbox.put(("add", (request, self._counted(deliver), submitted, handle)))
+            worker.inbox.put(("add", (request, worker.counted(deliver), submitted, handle)))
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -236,7 +230,7 @@ class Engine:
 
     def _abort(self, request_id: str, handle: RequestHandle | None) -> None:
         """Abort `request_id`, or only the submission `handle` made (a handle's abort)."""
-        self._inbox.put(("abort", (request_id, handle)))
+        self._worker.inbox.put(("abort", (request_id, handle)))
 
     def generate(
         self,
@@ -338,13 +332,12 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine thread; requests still running end with `EngineClosed`."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._inbox.put(("close", None))
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._worker.close()
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_worker", None)  # None: the constructor failed
+        if worker is not None:
+            worker.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -352,7 +345,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals: `_ids` runs in the caller's thread, the rest on the engine thread --------
+    # ---- internals ------------------------------------------------------------------------
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -365,33 +358,55 @@ class Engine:
             )
         return list(prompt)
 
-    def _counted(self, deliver: EventSink) -> EventSink:
+
+class _EngineThread:
+    """An engine's thread and what it shares with the engine's callers: the inbox of commands,
+    the requests waiting for an aborted id, the count of live requests and the closed flag.
+    It holds no reference to the `Engine` in front of it, so an engine dropped without
+    `close()` is collected, and closes its thread then (`Engine.__del__`); the thread, the
+    model and the pools no longer outlive it until the interpreter exits."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # adds whose id an aborted request still holds (`add`), retried after each step
+        self.deferred: list[tuple[GenerationRequest, EventSink, float, object]] = []
+        self.lock = threading.Lock()
+        self.live = 0
+        self.closed = False
+        self.thread = threading.Thread(target=self.run, name="ninfer-engine", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.inbox.put(("close", None))
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def counted(self, deliver: EventSink) -> EventSink:
         def sink(event: TokenEvent) -> None:
             if event.finished:
-                with self._lock:
-                    self._live -= 1
+                with self.lock:
+                    self.live -= 1
             deliver(event)
 
         return sink
 
-    def _loop(self) -> None:
+    def run(self) -> None:
         core = self.core
         failures = 0  # steps failed in a row
         try:
             while True:
-                command = self._inbox.get() if not core.has_work else self._poll()
+                command = self.inbox.get() if not core.has_work else self.poll()
                 while command is not None:
-                    kind, payload = command
-                    if kind == "close":
-                        core.fail_all(EngineClosed("the engine was closed"))
-                        self._end_queued(EngineClosed("the engine was closed"))
-                        core.runner.close()
+                    if not self.take(command):
                         return
-                    if kind == "add":
-                        self._add(*payload)
-                    elif kind == "abort":
-                        self._abort_now(*payload)
-                    command = self._poll()
+                    # no command stays referenced while the thread waits: it would hold its
+                    # request's handle, and through it the engine
+                    command = self.poll()
                 try:
                     core.step()
                     failures = 0
@@ -404,69 +419,83 @@ class Engine:
                         log.error("%d engine steps failed in a row: ending every request", failures)
                         core.fail_all(EngineError(f"the engine step failed: {exc!r}"))
                         failures = 0
-                self._add_deferred()
+                self.add_deferred()
         except BaseException as exc:  # a bug in the loop itself: fail everything, refuse more
             log.exception("engine thread died")
-            with self._lock:
-                self._closed = True
+            with self.lock:
+                self.closed = True
             error = EngineClosed(f"the engine thread died: {exc!r}")
             core.fail_all(error)
-            self._end_queued(error)
+            self.end_queued(error)
             raise
 
-    def _end_queued(self, error: Exception) -> None:
+    def take(self, command: tuple[str, Any]) -> bool:
+        """Carry out one command; False for `close` (the thread then ends)."""
+        kind, payload = command
+        if kind == "close":
+            self.core.fail_all(EngineClosed("the engine was closed"))
+            self.end_queued(EngineClosed("the engine was closed"))
+            self.core.runner.close()
+            return False
+        if kind == "add":
+            self.add(*payload)
+        elif kind == "abort":
+            self.abort_now(*payload)
+        return True
+
+    def end_queued(self, error: Exception) -> None:
         """End the requests still in the inbox, or waiting for an aborted request's id (the
-        engine takes no more: `_closed` is set)."""
-        deferred, self._deferred = self._deferred, []
+        engine takes no more: `closed` is set)."""
+        deferred, self.deferred = self.deferred, []
         for request, sink, *_ in deferred:
             sink(TokenEvent(request.request_id, finish_reason="error", error=error))
-        while (command := self._poll()) is not None:
+        while (command := self.poll()) is not None:
             kind, payload = command
             if kind == "add":
                 request, sink, *_ = payload
                 sink(TokenEvent(request.request_id, finish_reason="error", error=error))
 
-    def _poll(self) -> tuple[str, Any] | None:
+    def poll(self) -> tuple[str, Any] | None:
         try:
-            return self._inbox.get_nowait()
+            return self.inbox.get_nowait()
         except queue.Empty:
             return None
 
-    def _add(
+    def add(
         self, request: GenerationRequest, sink: EventSink, submitted_at: float, owner: object
     ) -> None:
         running = self.core.sequences.get(request.request_id)
-        if self._deferred or (running is not None and running.abort_requested):
+        if self.deferred or (running is not None and running.abort_requested):
             # its id is taken until the aborted request ends, at the next step (and what
             # came after a deferred request waits behind it, so admission keeps their order)
-            self._deferred.append((request, sink, submitted_at, owner))
+            self.deferred.append((request, sink, submitted_at, owner))
             return
         try:
             self.core.add(request, sink, submitted_at, owner)
         except NinferError as exc:  # e.g. a duplicate request id
             sink(TokenEvent(request.request_id, finish_reason="error", error=exc))
 
-    def _add_deferred(self) -> None:
+    def add_deferred(self) -> None:
         """Add the requests that waited for an aborted request's id, in the order given."""
-        deferred, self._deferred = self._deferred, []
+        deferred, self.deferred = self.deferred, []
         for index, payload in enumerate(deferred):
             try:
-                self._add(*payload)
-            except BaseException:  # the loop dies: `_end_queued` ends this one and the rest
-                self._deferred.extend(deferred[index:])
+                self.add(*payload)
+            except BaseException:  # the loop dies: `end_queued` ends this one and the rest
+                self.deferred.extend(deferred[index:])
                 raise
 
-    def _abort_now(self, request_id: str, owner: RequestHandle | None) -> None:
+    def abort_now(self, request_id: str, owner: RequestHandle | None) -> None:
         """Mark the running request for abort, and end at once a deferred one it names."""
         self.core.abort(request_id, owner)
         kept = []
-        for payload in self._deferred:
+        for payload in self.deferred:
             request, sink, _, submitter = payload
             if request.request_id == request_id and owner in (None, submitter):
                 sink(TokenEvent(request_id, finish_reason="abort"))
             else:
                 kept.append(payload)
-        self._deferred = kept
+        self.deferred = kept
 
 
 class AsyncRequestStream:

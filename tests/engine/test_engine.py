@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -257,6 +259,19 @@ def test_a_handles_late_abort_leaves_a_resubmission_of_the_same_request_alone(en
     assert retry.result().finish_reason == "length"
 
 
+def test_an_engine_dropped_without_close_is_collected_and_stops_its_thread(artifact_path):
+    """The engine thread holds no reference to its `Engine`: one dropped without `close()`
+    (a notebook cell run again) is collected, and its thread ends with it."""
+    eng = ninfer.Engine(artifact_path, device="cpu", dtype="float32", max_context=512)
+    assert len(eng.generate([1, 2], GREEDY).token_ids) == 8
+    thread, dropped = eng._worker.thread, weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert dropped() is None
+    thread.join(30)
+    assert not thread.is_alive()
+
+
 def test_close_ends_running_requests_with_engine_closed(artifact_path):
     eng = ninfer.Engine(artifact_path, device="cpu")
     handle = eng.submit(
@@ -477,7 +492,7 @@ def test_leaving_a_handles_loop_early_aborts_the_request(engine):
     started = time.monotonic()
     done = engine.submit(GenerationRequest([5, 6], GREEDY)).result()
     assert len(done.token_ids) == 8 and time.monotonic() - started < 5
-    assert engine._live == 0
+    assert engine._worker.live == 0
 
 
 def test_result_after_the_events_were_iterated_returns_them_all_again(artifact_path):
