@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ninfer.engine.request import is_int
 from ninfer.errors import ConfigError
 
 MAX_CONCURRENCY = 64
@@ -64,10 +65,6 @@ class EngineConfig:
     def _check_types(self) -> None:
         """A `ConfigError` naming the first field whose value has the wrong type (a string of
         digits, a float where tokens are counted, a bool where a count is wanted)."""
-
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
         wanted = {
             "an integer": (
                 "max_context", "max_concurrency", "max_pending_requests", "prefill_chunk",

@@ -433,8 +433,9 @@ class _EngineThread:
         """Carry out one command; False for `close` (the thread then ends)."""
         kind, payload = command
         if kind == "close":
-            self.core.fail_all(EngineClosed("the engine was closed"))
-            self.end_queued(EngineClosed("the engine was closed"))
+            closed = EngineClosed("the engine was closed")
+            self.core.fail_all(closed)
+            self.end_queued(closed)
             self.core.runner.close()
             return False
         if kind == "add":
@@ -446,14 +447,12 @@ class _EngineThread:
     def end_queued(self, error: Exception) -> None:
         """End the requests still in the inbox, or waiting for an aborted request's id (the
         engine takes no more: `closed` is set)."""
-        deferred, self.deferred = self.deferred, []
-        for request, sink, *_ in deferred:
-            sink(TokenEvent(request.request_id, finish_reason="error", error=error))
+        pending, self.deferred = self.deferred, []
         while (command := self.poll()) is not None:
-            kind, payload = command
-            if kind == "add":
-                request, sink, *_ = payload
-                sink(TokenEvent(request.request_id, finish_reason="error", error=error))
+            if command[0] == "add":
+                pending.append(command[1])
+        for request, sink, *_ in pending:
+            sink(TokenEvent(request.request_id, finish_reason="error", error=error))
 
     def poll(self) -> tuple[str, Any] | None:
         try:

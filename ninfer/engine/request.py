@@ -74,7 +74,7 @@ class SamplingParams:
                 raise bad(name, getattr(self, name), "must be a number")
         for name in ("top_k", "max_tokens", "logprobs", "seed"):
             value = getattr(self, name)
-            if not _is_int(value) and (value is not None or name == "top_k"):
+            if not is_int(value) and (value is not None or name == "top_k"):
                 raise bad(name, value, "must be an integer")
         for name in ("stop", "reasoning_stop", "stop_token_ids"):
             if not isinstance(getattr(self, name), (list, tuple)):
@@ -112,7 +112,7 @@ class SamplingParams:
             ("logit_bias", (self.logit_bias or {}).keys()),
         ):
             for token_id in ids:
-                if not _is_int(token_id) or token_id < 0:
+                if not is_int(token_id) or token_id < 0:
                     raise bad("token id", token_id, "must be a non-negative integer", field_name)
                 if vocab_size is not None and token_id >= vocab_size:
                     rule = f"must be < the vocabulary size {vocab_size}"
@@ -122,7 +122,8 @@ class SamplingParams:
                 raise bad(f"logit_bias[{token_id}]", value, "must be in [-100, 100]", "logit_bias")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An integer, and not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -136,21 +136,35 @@ def allowed_methods(app: FastAPI, scope: dict) -> list[str]:
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+def _structure_fault(value: Any, max_depth: int, strings: bool) -> str | None:
+    """What makes a decoded body unfit, found level by level (a few list comprehensions per
+    level: a 3.4 MB body takes about 0.06 s here): arrays and objects nested deeper than
+    `max_depth`, or (with `strings`) a string holding half a surrogate pair."""
+    level, depth = [value], 0
+    while level:
+        if strings:
+            for item in level:
+                if isinstance(item, str):
+                    try:
+                        item.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return "a \\u escape is half of a surrogate pair"
+        containers = [item for item in level if isinstance(item, (dict, list))]
+        if not containers:
+            return None
+        depth += 1
+        if depth > max_depth:
+            return f"nested more than {max_depth} deep"
+        level = [
+            child
+            for item in containers
+            for child in (
+                ([*item, *item.values()] if strings else item.values())
+                if type(item) is dict
+                else item
+            )
+        ]
+    return None
 
 
 T = TypeVar("T")
@@ -159,20 +173,6 @@ T = TypeVar("T")
 # conversation of megabytes took a fraction of a second of the event loop there, during which
 # every other stream waited. Smaller ones, nearly all requests, skip the thread's hand-over.
 OFF_LOOP_BYTES = 64 * 1024
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = item.values()
-        elif not isinstance(item, list):
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in item)
-    return False
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -219,10 +219,9 @@ def decode_json(raw: bytes) -> Any:
         raise bad_json(str(exc)) from None
     except RecursionError:
         raise bad_json("nested too deeply") from None
-    if _deeper_than(body, MAX_JSON_DEPTH):
-        raise bad_json(f"nested more than {MAX_JSON_DEPTH} deep")
-    if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
-        raise bad_json("a \\u escape is half of a surrogate pair")
+    fault = _structure_fault(body, MAX_JSON_DEPTH, SURROGATE_ESCAPE.search(raw) is not None)
+    if fault is not None:
+        raise bad_json(fault)
     return body
 
 

@@ -105,13 +105,9 @@ class GenerationService:
             stop=tuple(request.stop),
         )
 
-    def prepare(
-        self, request: ChatRequest, request_id: str, prompt: ChatPrompt | None = None
-    ) -> Generation:
-        """Render (unless given the `render` of `request`), resolve sampling and submit;
-        admission errors are raised here, before any response is sent."""
-        if prompt is None:
-            prompt = self.render(request)
+    def prepare(self, request: ChatRequest, request_id: str, prompt: ChatPrompt) -> Generation:
+        """Resolve sampling for `request`, whose `render` is `prompt`, and submit; admission
+        errors are raised here, before any response is sent."""
         params = self.sampling_params(request, prompt.enable_thinking, len(prompt.token_ids))
         engine_request = GenerationRequest(
             prompt_ids=prompt.token_ids,
