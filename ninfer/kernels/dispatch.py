@@ -186,19 +186,11 @@ def recurrent_gated_delta_rule(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    prefetch: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """`prefetch`: the next product's weight planes, which the GPU kernel asks into the L2
-    (`prefetch_triton`); a hint that changes no result."""
+    module = gdn_reference
     if use_triton(q, states):
-        from ninfer.kernels import gdn_recurrent_triton
-
-        return gdn_recurrent_triton.recurrent_gated_delta_rule(
-            q, k, v, g, beta, states, state_slots, query_start, prefetch
-        )
-    return gdn_reference.recurrent_gated_delta_rule(
-        q, k, v, g, beta, states, state_slots, query_start
-    )
+        from ninfer.kernels import gdn_recurrent_triton as module
+    return module.recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
 
 
 def recurrent_gated_delta_rule_from_x(
@@ -212,12 +204,10 @@ def recurrent_gated_delta_rule_from_x(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    prefetch: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """The decode delta rule with the gates from the layer input x [T, hidden] and the stacked
     b|a weight [2Hv, hidden]: on CUDA one kernel computes b|a product, gates and recurrence
-    (for decode-sized T: the caller decides), else `gdn_gates_from_x` and the rule.
-    `prefetch` as for `recurrent_gated_delta_rule`."""
+    (for decode-sized T: the caller decides), else `gdn_gates_from_x` and the rule."""
     if (
         use_triton(q, x, ba_weight, A_log, dt_bias, states)
         and x.dtype in _DENSE
@@ -228,7 +218,7 @@ def recurrent_gated_delta_rule_from_x(
         from ninfer.kernels import gdn_recurrent_triton
 
         return gdn_recurrent_triton.recurrent_gated_delta_rule_from_x(
-            q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start, prefetch
+            q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
         )
     return gdn_reference.recurrent_gated_delta_rule_from_x(
         q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start

@@ -25,8 +25,6 @@ import triton.language as tl
 from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
 from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
-from ninfer.kernels import prefetch_triton
-from ninfer.kernels.prefetch_triton import prefetch_args, prefetch_l2
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -75,12 +73,6 @@ def _recurrent_kernel(
     key_dim,
     value_dim,
     num_value_heads,
-    prefetch0,
-    prefetch_bytes0,
-    prefetch1,
-    prefetch_bytes1,
-    prefetch2,
-    prefetch_bytes2,
     RATIO: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -88,10 +80,6 @@ def _recurrent_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
     STATE_FIRST: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PREFETCH_LATE: tl.constexpr,
-    PREFETCH_ONE: tl.constexpr,
-    WARPS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -124,13 +112,6 @@ def _recurrent_kernel(
     else:
         state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
     state = state.to(tl.float32)  # a bf16 state is updated in fp32, rounded once when stored
-    if PREFETCH and not PREFETCH_LATE:  # the next product's weights, while this kernel and the norm after it run
-        program = (seq * tl.num_programs(1) + value_head) * tl.num_programs(2) + tl.program_id(2)
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        prefetch_l2(
-            prefetch0, prefetch_bytes0, prefetch1, prefetch_bytes1, prefetch2, prefetch_bytes2,
-            program, programs, WARPS * 32, PREFETCH_ONE,
-        )  # fmt: skip
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
@@ -168,13 +149,6 @@ def _recurrent_kernel(
             mask=col_mask,
         )
     tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
-    if PREFETCH and PREFETCH_LATE:
-        program = (seq * tl.num_programs(1) + value_head) * tl.num_programs(2) + tl.program_id(2)
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        prefetch_l2(
-            prefetch0, prefetch_bytes0, prefetch1, prefetch_bytes1, prefetch2, prefetch_bytes2,
-            program, programs, WARPS * 32, PREFETCH_ONE,
-        )  # fmt: skip
 
 
 def recurrent_gated_delta_rule(
@@ -186,15 +160,14 @@ def recurrent_gated_delta_rule(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    prefetch: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay), beta: [T, Hv];
     states: fp32 or bf16 [num_slots, Hv, dk, dv] (contiguous per slot), read and updated in
-    place. `prefetch`: the next product's weight planes, asked into the L2 (`prefetch_triton`).
+    place.
     Returns o: [T, Hv, dv] in v's dtype."""
     if g.stride(1) != 1 or beta.stride(1) != 1:
         raise ValueError("g and beta need unit stride along heads")
-    return _launch(q, k, v, states, state_slots, query_start, prefetch, g=g, beta=beta)
+    return _launch(q, k, v, states, state_slots, query_start, g=g, beta=beta)
 
 
 def recurrent_gated_delta_rule_from_x(
@@ -208,7 +181,6 @@ def recurrent_gated_delta_rule_from_x(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    prefetch: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule` with g and beta those `gdn_gates_triton.gdn_gates_from_x`
     computes from x [T, hidden] and ba_weight [2Hv, hidden] (b rows over a rows), of x's dtype
@@ -230,7 +202,6 @@ def recurrent_gated_delta_rule_from_x(
         states,
         state_slots,
         query_start,
-        prefetch,
         x=x,
         ba_weight=ba_weight,
         A_log=A_log,
@@ -245,7 +216,6 @@ def _launch(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    prefetch: tuple[torch.Tensor, ...] | None,
     g: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
     x: torch.Tensor | None = None,
@@ -271,7 +241,6 @@ def _launch(
     while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(v.device):
         block_v //= 2
     from_x = x is not None
-    prefetch_ranges, prefetching = prefetch_args(prefetch, v.device)
     grid = (num_seqs, num_value_heads, triton.cdiv(value_dim, block_v))
     _recurrent_kernel[grid](
         q,
@@ -305,7 +274,6 @@ def _launch(
         key_dim,
         value_dim,
         num_value_heads,
-        *prefetch_ranges,
         RATIO=num_value_heads // q.shape[1],
         BLOCK_K=next_power_of_2(key_dim),
         BLOCK_V=block_v,
@@ -313,10 +281,6 @@ def _launch(
         HIDDEN=x.shape[1] if from_x else 0,
         BLOCK_HIDDEN=HIDDEN_BLOCK,
         STATE_FIRST=num_seqs <= STATE_FIRST_MAX_SEQS,
-        PREFETCH=prefetching,
-        PREFETCH_LATE=prefetch_triton.L2_PREFETCH_LATE,
-        PREFETCH_ONE=prefetch_triton.L2_PREFETCH_ONE_PER_PROGRAM,
-        WARPS=RECURRENT_WARPS,
         num_warps=RECURRENT_WARPS,
         **pdl_options(q.device),
     )

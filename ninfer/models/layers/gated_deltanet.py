@@ -21,7 +21,7 @@ from ninfer.kernels.dispatch import (
 )
 from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.models.context import ForwardContext
-from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, fuse_into, weights_read
+from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, fuse_into
 from ninfer.models.layers.norms import GatedRMSNorm
 
 # Up to this many tokens (decode batches, speculative verification) a kernel computes the dense
@@ -146,9 +146,6 @@ class GatedDeltaNet(nn.Module):
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
 
         states = ctx.cache.gdn_state[self.cache_index]
-        # At decode the recurrent kernel asks the L2 for out_proj's weights: it and the norm
-        # after it move little memory (kernels/prefetch_triton.py)
-        prefetch = weights_read(self.out_proj, tokens) if ctx.is_decode else None
         if ba_weight is not None:
             out = recurrent_gated_delta_rule_from_x(
                 query,
@@ -161,16 +158,10 @@ class GatedDeltaNet(nn.Module):
                 states,
                 ctx.state_slots,
                 ctx.query_start,
-                prefetch,
-            )
-        elif ctx.is_decode:
-            out = recurrent_gated_delta_rule(
-                query, key, value, g, beta, states, ctx.state_slots, ctx.query_start, prefetch
             )
         else:
-            out = chunk_gated_delta_rule(
-                query, key, value, g, beta, states, ctx.state_slots, ctx.query_start
-            )
+            rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
+            out = rule(query, key, value, g, beta, states, ctx.state_slots, ctx.query_start)
         z = z.view(tokens, self.num_value_heads, self.value_head_dim)
         # `normed` holds the norm's output (and so its x split, kernels/x_split.py) alive
         # while out_proj reads the reshape: under inference mode a view keeps no base

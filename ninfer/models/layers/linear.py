@@ -108,12 +108,6 @@ class GroupwiseLinear(nn.Module):
         the one-row weight's where there is one, as only one-row products read a split."""
         return self.one_row_format or self.format
 
-    def planes_read(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """The weight planes a product of `rows` x rows reads (`forward`'s choice)."""
-        if self.one_row_format is not None and 0 < rows <= INT_MAX_ROWS:
-            return tuple(getattr(self, f"one_row_{name}") for name in self.one_row_planes)
-        return tuple(getattr(self, name) for name in self.plane_names)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one_row = self.one_row
         if one_row is not None and 0 < x.shape[0] <= INT_MAX_ROWS:
@@ -252,14 +246,3 @@ def fuse_into(parent: nn.Module, fused_name: str, names: Sequence[str]) -> bool:
         delattr(parent, name)
     setattr(parent, fused_name, fused)
     return True
-
-
-def weights_read(module: nn.Module, rows: int) -> tuple[torch.Tensor, ...]:
-    """The weight tensors a linear `module` reads for `rows` x rows, for a kernel before it to
-    prefetch (`kernels/prefetch_triton.py`): an encoded linear's planes, a dense one's weight;
-    none for other modules."""
-    if isinstance(module, GroupwiseLinear):
-        return module.planes_read(rows)
-    if type(module) is nn.Linear:
-        return (module.weight,)
-    return ()
