@@ -14,11 +14,15 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   expert products (nine pairs, the shared expert stacked) and the dense products;
 - at the 27B shapes, one token: the same integer GEMV settings at every product of a layer
   and the head;
+- the one-row integer GEMV's time against its rows (so its programs per SM) at two K, its
+  weights from DRAM (rotated) and held in the L2 (one weight again and again), and the time
+  one dependent launch of a trivial kernel adds to a chain inside a CUDA graph, with and
+  without programmatic dependent launch (docs/performance.md, Measurement 21);
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
 
-    python bench/decode_variants.py [--skip-int4pack]
+    python bench/decode_variants.py [--skip-int4pack] [--only NAME]
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from ninfer.kernels import (
     swiglu_triton,
 )
 from ninfer.kernels.moe_routing_triton import moe_route
+from ninfer.kernels.pdl_triton import await_inputs
 from ninfer.kernels.x_split import INT_FORMATS, SplitRequest
 from ninfer.quant import EncodedTensor, get_format
 
@@ -500,10 +505,67 @@ def int4pack_against_ours() -> None:
                 print(f"{f'{n}x{k}':18} {tiles:5d} {m:3d} {theirs:12.1f} {ours:8.1f}")
 
 
+def one_row_fixed_cost() -> None:
+    """The one-row integer GEMV (q4) at K = 6144 and 17408 over output rows from 2112 to 8448:
+    its time with the weights rotated beyond the L2, and at the 27B shapes also with one
+    weight read again and again (held in the L2)."""
+    print(f"{'one-row q4 GEMV':18} {'programs':>8} {'MB':>6} {'DRAM us':>8} {'L2 us':>7}")
+    config = groupwise_gemv_triton._int_config
+    for k in (6144, 17408):
+        for n in (2112, 3968, 4224, 4352, 4608, 5120, 5280, 6336, 8448):
+            name, weight, calls, _ = _dense_product(Q4, n, k, 0)
+            moved = Q4.encoded_nbytes((n, k))
+            row_words = weight.planes["codes"].shape[-1] // 4
+            block_n = config(n, row_words, 1, torch.device(DEVICE), 4)[0]
+            dram = median_us(rotating(calls))
+            held = median_us(calls[0]) if n == 5120 else float("nan")
+            print(
+                f"{f'{n}x{k}':18} {triton.cdiv(n, block_n):8d} {moved / 1e6:6.1f} "
+                f"{dram:8.2f} {held:7.2f}"
+            )
+            del weight, calls
+
+
+@triton.jit
+def _chain_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask) + 1, mask=mask)
+
+
+def dependent_launch_floor() -> None:
+    """What one more dependent kernel costs a chain inside a CUDA graph: 512 launches of a
+    kernel that waits for the one before and copies a 5120-value bf16 row it wrote (x + 1) to
+    the other buffer, with 1, 40, 132 and 320 programs, with and without programmatic
+    dependent launch."""
+    from ninfer.kernels.pdl_triton import pdl_options
+
+    n, launches = 5120, 512
+    buffers = [torch.zeros(n, device=DEVICE, dtype=BF16) for _ in range(2)]
+    print(f"{'dependent launches':24} {'programs':>8} {'PDL':>4} {'us per launch':>13}")
+    for programs in (1, 40, 132, 320):
+        block = triton.next_power_of_2(triton.cdiv(n, programs))
+        for pdl in (False, True):
+            options = pdl_options(torch.device(DEVICE)) if pdl else {"PDL": False}
+
+            def chain(block=block, options=options, programs=programs):
+                for i in range(launches):
+                    src, dst = buffers[i % 2], buffers[1 - i % 2]
+                    _chain_kernel[(programs,)](src, dst, n, BLOCK=block, **options)
+
+            us = median_us(chain) / launches
+            print(f"{'copy x + 1 of 5120 bf16':24} {programs:8d} {str(pdl):>4} {us:13.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-int4pack", action="store_true", help="only the one-token sweeps")
+    parser.add_argument("--only", help="run this one function of the file (a name)")
     args = parser.parse_args()
+    if args.only:
+        globals()[args.only]()
+        return
     norm_and_routing_warps()
     gdn_decode_kernels()
     gdn_decode_eight_sequences()
@@ -512,6 +574,8 @@ def main() -> None:
     norm_in_router()
     moe_decode_settings()
     dense_decode_settings()
+    one_row_fixed_cost()
+    dependent_launch_floor()
     if not args.skip_int4pack:
         int4pack_against_ours()
 
