@@ -751,14 +751,15 @@ def _int_step(
         else:
             low, high = _q6_words(w, high_w)
         signed: tl.constexpr = BITS == 4
-        coarse = _int_dot(high, xo_coarse, _int_dot(low, x_coarse, 0, signed, ASM), signed, ASM)
-        fine = _int_dot(high, xo_fine, _int_dot(low, x_fine, 0, signed, ASM), signed, ASM)
+        coarse = _quad_chain(low, high, x_coarse, xo_coarse, True, signed, ASM)
+        fine = _quad_chain(low, high, x_fine, xo_fine, True, signed, ASM)
     else:
-        coarse = _int_dot(w, x_coarse, 0, True, ASM)
-        fine = _int_dot(w, x_fine, 0, True, ASM)
-    per_word = coarse * FINE + fine
+        coarse = _quad_chain(w, w, x_coarse, x_coarse, False, True, ASM)
+        fine = _quad_chain(w, w, x_fine, x_fine, False, True, ASM)
+    per_quad = coarse * FINE + fine  # [BLOCK_N, BLOCK_WORDS // 4]
     group_sums = tl.sum(
-        tl.reshape(per_word, [BLOCK_N, BLOCK_WORDS // WORDS_PER_GROUP, WORDS_PER_GROUP]), axis=2
+        tl.reshape(per_quad, [BLOCK_N, BLOCK_WORDS // WORDS_PER_GROUP, WORDS_PER_GROUP // 4]),
+        axis=2,
     )
     groups = start // WORDS_PER_GROUP + tl.arange(0, BLOCK_WORDS // WORDS_PER_GROUP)
     g_mask = groups < num_groups
@@ -770,6 +771,39 @@ def _int_step(
             group_sums -= 4 * tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
         x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
     return acc + group_sums.to(tl.float32) * (x_scale[None, :] * w_scale)
+
+
+@triton.jit
+def _quads(t):
+    """t [rows, words] as four [rows, words / 4]: each run of four consecutive words' first,
+    second, third and fourth (a thread's four words of a 16-byte load: no data moves)."""
+    rows: tl.constexpr = t.shape[0]
+    quads: tl.constexpr = t.shape[1] // 4
+    a, b = tl.split(tl.reshape(t, [rows, quads, 2, 2]))
+    t0, t1 = tl.split(a)
+    t2, t3 = tl.split(b)
+    return t0, t2, t1, t3
+
+
+@triton.jit
+def _quad_chain(low, high, x_low, x_high, PAIRED: tl.constexpr, SIGNED: tl.constexpr, ASM):
+    """The integer dot products of each run of four words, [rows, words / 4], summed in one
+    chain of dp4a (no additions): low with x_low and, when PAIRED, high with x_high (q4 and
+    q6's even and odd values)."""
+    l0, l1, l2, l3 = _quads(low)
+    x0, x1, x2, x3 = _quads(x_low)
+    acc = _int_dot(l0, x0, 0, SIGNED, ASM)
+    acc = _int_dot(l1, x1, acc, SIGNED, ASM)
+    acc = _int_dot(l2, x2, acc, SIGNED, ASM)
+    acc = _int_dot(l3, x3, acc, SIGNED, ASM)
+    if PAIRED:
+        h0, h1, h2, h3 = _quads(high)
+        y0, y1, y2, y3 = _quads(x_high)
+        acc = _int_dot(h0, y0, acc, SIGNED, ASM)
+        acc = _int_dot(h1, y1, acc, SIGNED, ASM)
+        acc = _int_dot(h2, y2, acc, SIGNED, ASM)
+        acc = _int_dot(h3, y3, acc, SIGNED, ASM)
+    return acc
 
 
 @triton.jit
