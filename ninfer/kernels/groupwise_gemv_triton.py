@@ -10,7 +10,12 @@ planes and never leave registers as floats. Two kernels:
   by four x codes in one dp4a instruction and sums the group in int32 exactly; a float
   multiply-add per group and row applies both scales. Turning every code into a float costs
   about three instructions per weight, which made the float form issue-bound at a third of
-  the copy rate; this form needs about one. A program computes rows of one x row (a second
+  the copy rate. Here q4 codes enter the dp4a as signed bytes times 16 (a low nibble shifted
+  up, a high one in place: three instructions a word, and no correction for an offset), each
+  thread's run of four words is one dp4a chain, and a row's sums over a step's groups are
+  kept per group and added once after the loop, so that no step reduces across threads: the
+  q4 loop compiles to 237 instructions per 128 weights a thread at sm_90, from 308
+  (docs/performance.md, Measurement 21). A program computes rows of one x row (a second
   dimension over x rows held them in three-dimensional tiles and ran 20-30 % slower at one
   row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
   once per row, so only one row takes it in decode. For a GDN layer's in projection the
@@ -482,8 +487,8 @@ def split_codes(x, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexp
     nibbles of a word are its even values, the high nibbles its odd ones), so the group's
     values are [words, 4, parities] in order and a word is a sum over its four bytes.
     Returns (coarse words, fine words) [BLOCK_G, words per group, parities], the fine unit s
-    per group and, for q4, 8 times the group's sum of codes (the correction the GEMV
-    subtracts, as it reads code + 8), else zeros."""
+    per group and, for q4, 8 times the group's sum of codes (q6's GEMV, which reads q4's
+    split and its codes as code + 32, subtracts four times it), else zeros."""
     amax = tl.max(tl.abs(x), axis=1)
     step = amax * (1.0 / (FINE * FINE_MAX))  # one fine unit; a coarse unit is FINE of them
     inv_fine = tl.where(amax > 0, (FINE * FINE_MAX) / tl.where(amax > 0, amax, 1.0), 0.0)
@@ -548,7 +553,7 @@ def split_values(
     x_groups = m * num_groups + groups
     tl.store(xscale_ptr + x_groups, step, mask=group_mask)
     if BITS == 4:
-        # the q4 codes are read as u = code + 8: sum(u * x) - 8 * sum(x) = sum(code * x)
+        # q6's codes are read as u = code + 32: sum(u * x) - 32 * sum(x) = sum(code * x)
         tl.store(corr_ptr + x_groups, corr, mask=group_mask)
 
 
@@ -982,8 +987,9 @@ def _groupwise_gemv_int_kernel(
 
 def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
     """x [M, K] -> (codes [M, 2, Kp/4] int32 (coarse words, then fine words), per-group
-    corrections [M, Kp/group] int32 (q4; unused for q8), per-group fine steps [M, Kp/group]
-    fp32), in the order `_groupwise_gemv_int_kernel` reads them."""
+    corrections [M, Kp/group] int32 (read by q6, which takes q4's split; unused for q8),
+    per-group fine steps [M, Kp/group] fp32), in the order `_groupwise_gemv_int_kernel`
+    reads them."""
     m, k = x.shape
     num_groups = padded_k // group
     codes, corr, steps = split_buffers(m, padded_k, group, x.device)
