@@ -721,7 +721,6 @@ def _int_step(
     even_fine,
     odd_coarse,
     odd_fine,
-    own_corr,
     own_step,
     BITS: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -925,7 +924,7 @@ def _groupwise_gemv_int_kernel(
         gate = tl.load(gate_row + values).to(tl.float32)
         up = tl.load(gate_row + row_groups * GROUP + values).to(tl.float32)
         hidden = swiglu_values(gate, up, swiglu_ptr.dtype.element_ty).to(tl.float32)
-        own_coarse, own_fine, own_step, own_corr = split_codes(
+        own_coarse, own_fine, own_step, _ = split_codes(
             tl.reshape(hidden, [row_groups, GROUP]), BITS, GROUP, row_groups
         )
         if BITS == 4:
@@ -936,9 +935,9 @@ def _groupwise_gemv_int_kernel(
             even_fine = tl.reshape(own_fine, [row_groups, words_per_group])
             odd_coarse, odd_fine = 0, 0
     else:  # x's codes are read per step
-        even_coarse, even_fine, odd_coarse, odd_fine, own_corr, own_step = 0, 0, 0, 0, 0, 0
-    # [BLOCK_N, groups per step], made as a step's group sums are so that it takes their
-    # layout and the loop carries it without a conversion
+        even_coarse, even_fine, odd_coarse, odd_fine, own_step = 0, 0, 0, 0, 0
+    # [BLOCK_N, groups per step], made by a step's own reshape and reduction: compiled for
+    # sm_90, the experts' SwiGLU form then takes 96 registers, against 128 from `tl.zeros`
     acc = tl.sum(
         tl.reshape(
             tl.zeros([BLOCK_N, BLOCK_WORDS], tl.float32),
@@ -950,7 +949,7 @@ def _groupwise_gemv_int_kernel(
         acc = _int_step(
             acc, first_w, first_high, first_scale, 0, m, x_words, level, num_words,
             num_groups, corr_ptr, xscale_ptr, even_coarse, even_fine, odd_coarse, odd_fine,
-            own_corr, own_step, BITS, SWIGLU, BLOCK_N, BLOCK_WORDS, words_per_group, ASM,
+            own_step, BITS, SWIGLU, BLOCK_N, BLOCK_WORDS, words_per_group, ASM,
         )  # fmt: skip
     for start in tl.range(
         BLOCK_WORDS if WEIGHTS_BEFORE_WAIT else 0, num_words, BLOCK_WORDS, num_stages=STAGES
@@ -962,7 +961,7 @@ def _groupwise_gemv_int_kernel(
         acc = _int_step(
             acc, w, high_w, w_scale, start, m, x_words, level, num_words,
             num_groups, corr_ptr, xscale_ptr, even_coarse, even_fine, odd_coarse, odd_fine,
-            own_corr, own_step, BITS, SWIGLU, BLOCK_N, BLOCK_WORDS, words_per_group, ASM,
+            own_step, BITS, SWIGLU, BLOCK_N, BLOCK_WORDS, words_per_group, ASM,
         )  # fmt: skip
     total = tl.sum(acc, axis=1)
     if BITS == 4:
