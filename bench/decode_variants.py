@@ -564,7 +564,10 @@ def main() -> None:
     parser.add_argument("--only", help="run this one function of the file (a name)")
     args = parser.parse_args()
     if args.only:
-        globals()[args.only]()
+        function = globals().get(args.only)
+        if not callable(function) or args.only.startswith("_") or args.only == "main":
+            parser.error(f"--only: no sweep named {args.only!r} in this file")
+        function()
         return
     norm_and_routing_warps()
     gdn_decode_kernels()
