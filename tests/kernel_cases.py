@@ -256,6 +256,45 @@ def check_groupwise_linear(
     assert relative_error(gemv_reference.groupwise_linear(x, encoded), exact) < tol
 
 
+def check_integer_gemv_at_extreme_q4_codes(module, codes: str, device) -> None:
+    """The one-row integer kernel (`module.integer_linear`, `module.split_x`) against the exact
+    product of the codes with x's split, within the output's rounding (half an fp16 unit of
+    each value) and the fp32 sums', where every q4 code is
+    -8 or 7 (signed bytes of -128 and 112 in the kernel) and x is near its groups' largest
+    value with fine codes of every size: `codes` "low" (all -8, each group's int32 sum of
+    -8 times near 127 * 254 * 64 about 2.6e8, near its bound) or "high" (all 7), or "mixed"
+    (-8 and 7 at random, x of random signs, so that even and odd values and the four words
+    of a load differ)."""
+    fmt = get_format("q4_g64_fp16")
+    n, k = 8, 512
+    generator = torch.Generator().manual_seed(len(codes))
+    encoded = fmt.encode(torch.randn(n, k, generator=generator))
+    planes = encoded.planes
+    if codes == "mixed":
+        choice = torch.randint(0, 4, planes["codes"].shape, generator=generator)
+        planes["codes"] = torch.tensor([0x88, 0x77, 0x87, 0x78], dtype=torch.uint8)[choice]
+    else:
+        planes["codes"].fill_(0x88 if codes == "low" else 0x77)
+    encoded.planes = {name: plane.to(device) for name, plane in planes.items()}
+    x = 3.0 * (1.0 - 0.05 * torch.rand(1, k, generator=generator))
+    if codes == "mixed":
+        x *= torch.randint(0, 2, (1, k), generator=generator) * 2.0 - 1.0
+    else:
+        x[0, 64:128] *= -1.0  # a group of the other sign
+    x = x.to(device=device, dtype=torch.float16)
+    out = module.integer_linear(x, encoded).double().cpu()
+    split_codes, _, steps = module.split_x(x, 4, 64, k)
+    raw = split_codes.cpu().reshape(2, -1, 1).view(torch.int8).reshape(2, -1).double()
+    words = k // 8  # per word its even values' bytes, then (after all words) the odd ones'
+    raw = torch.stack([raw[:, : 4 * words], raw[:, 4 * words :]], dim=-1).reshape(2, k)
+    assert raw[1].abs().max() > 64  # fine codes of every size, not only the coarse ones
+    split = (254 * raw[0] + raw[1]) * steps.cpu().double().repeat_interleave(64, 1)[0]
+    weight = encoded.decode(torch.float32).double().cpu()
+    exact = weight @ split
+    magnitude = weight.abs() @ split.abs()  # bounds the fp32 sums' rounding
+    assert ((out[0] - exact).abs() <= 2**-11 * exact.abs() + 1e-6 * magnitude).all()
+
+
 def check_grouped_groupwise_linear(
     module,
     format_name: str,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_cases import check_groupwise_linear
+from kernel_cases import check_groupwise_linear, check_integer_gemv_at_extreme_q4_codes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,6 +31,15 @@ def test_integer_gemv_at_the_27b_shapes(format_name, n, k, m):
         check_groupwise_linear(
             groupwise_gemv_triton, format_name, m, n, k, torch.bfloat16, "cuda", 4e-3
         )
+
+
+@pytest.mark.parametrize("codes", ["low", "high", "mixed"])
+def test_integer_gemv_is_exact_at_the_extreme_q4_codes(codes):
+    """The dp4a itself on codes -8 and 7 (signed bytes 0x80 and 0x70), int32 group sums near
+    their bound (`check_integer_gemv_at_extreme_q4_codes`)."""
+    from ninfer.kernels import groupwise_gemv_triton
+
+    check_integer_gemv_at_extreme_q4_codes(groupwise_gemv_triton, codes, "cuda")
 
 
 @pytest.mark.parametrize("m", [1, 3])

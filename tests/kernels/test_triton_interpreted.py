@@ -14,6 +14,7 @@ from kernel_cases import (
     check_gdn_recurrent,
     check_groupwise_dequant,
     check_groupwise_linear,
+    check_integer_gemv_at_extreme_q4_codes,
     check_kv_write,
     check_paged_attention,
     check_paged_prefill_attention,
@@ -418,26 +419,10 @@ def test_groupwise_linear_integer_kernel_matches_dequantized_product(
         check_groupwise_linear(module, format_name, m, n, k, torch.float16, "cpu", 1e-3)
 
 
-@pytest.mark.parametrize("byte", [0x88, 0x77, 0x87, 0x78], ids=hex)
-def test_integer_kernel_is_exact_at_the_extreme_q4_codes(interpreted, byte):
-    """Every code -8 or 7 (signed bytes times 16 of -128 and 112 in the kernel) against x at
-    its groups' largest value, so that each group's int32 sum comes near its bound: the
-    product of the codes with x's split, exactly, within the output's rounding."""
-    module = interpreted("groupwise_gemv_triton")
-    fmt = get_format("q4_g64_fp16")
-    n, k = 8, 512
-    encoded = fmt.encode(torch.randn(n, k))
-    encoded.planes["codes"].fill_(byte)
-    x = torch.full((1, k), 3.0, dtype=torch.float16)
-    x[0, 64:128] = -3.0  # a group of the other sign
-    out = module.integer_linear(x, encoded).double()
-    codes, _, steps = module.split_x(x, 4, 64, k)
-    raw = codes.reshape(2, -1, 1).view(torch.int8).reshape(2, -1).to(torch.float64)
-    words = k // 8  # per word its even values' bytes, then (after all words) the odd ones'
-    raw = torch.stack([raw[:, : 4 * words], raw[:, 4 * words :]], dim=-1).reshape(2, k)
-    split = (254 * raw[0] + raw[1]) * steps.double().repeat_interleave(64, 1)[0]
-    exact = fmt.decode(encoded.planes, (n, k), torch.float32).double() @ split
-    assert (out[0] - exact).abs().max() <= 2**-10 * exact.abs().max()
+@pytest.mark.parametrize("codes", ["low", "high", "mixed"])
+def test_integer_kernel_is_exact_at_the_extreme_q4_codes(interpreted, codes):
+    """Codes -8 and 7, int32 group sums near their bound (`check_integer_gemv_at_extreme_q4_codes`)."""
+    check_integer_gemv_at_extreme_q4_codes(interpreted("groupwise_gemv_triton"), codes, "cpu")
 
 
 @pytest.mark.parametrize(("n", "k"), [(40, 300), (12, 1000), (256, 2304)], ids=str)
