@@ -565,7 +565,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.only:
         function = globals().get(args.only)
-        if not callable(function) or args.only.startswith("_") or args.only == "main":
+        own = callable(function) and getattr(function, "__module__", None) == __name__
+        if not own or args.only.startswith("_") or args.only == "main":
             parser.error(f"--only: no sweep named {args.only!r} in this file")
         function()
         return

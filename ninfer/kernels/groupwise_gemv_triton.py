@@ -13,8 +13,8 @@ planes and never leave registers as floats. Two kernels:
   the copy rate. Here q4 codes enter the dp4a as signed bytes times 16 (a low nibble shifted
   up, a high one in place: three instructions a word, and no correction for an offset), each
   thread's run of four words is one dp4a chain, and a row's sums over a step's groups are
-  kept per group and added once after the loop, so that no step reduces across threads: the
-  q4 loop compiles to 237 instructions per 128 weights a thread at sm_90, from 308
+  kept per group and added once after the loop, so that no step sums its groups across
+  threads (a group's two 16-byte loads still meet by a shuffle): the q4 loop compiles to 237 instructions per 128 weights a thread at sm_90, from 308
   (docs/performance.md, Measurement 21). A program computes rows of one x row (a second
   dimension over x rows held them in three-dimensional tiles and ran 20-30 % slower at one
   row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
@@ -732,8 +732,8 @@ def _int_step(
     """acc [BLOCK_N, groups per step] + the integer kernel's step at code word `start` over
     the weight's part (`_weight_step`) and x's codes (read per step, or with SWIGLU the row's
     own split): each row's sum over each of the step's groups, scaled. The sums over groups
-    are left to the end of the loop, so that a step needs no reduction across threads. q4's
-    sums are 16 times their value (`_signed_nibbles`)."""
+    are left to the end of the loop, so that a step does not sum its groups across threads.
+    q4's sums are 16 times their value (`_signed_nibbles`)."""
     cols = start + tl.arange(0, BLOCK_WORDS)
     col_mask = cols < num_words
     if SWIGLU:
@@ -771,7 +771,7 @@ def _int_step(
     if SWIGLU:
         x_scale = own_step
     else:
-        if BITS == 6:  # u = code + 32: four times q4's correction
+        if BITS == 6:  # u = code + 32: four times the correction q4's split carries
             group_sums -= 4 * tl.load(corr_ptr + x_groups, mask=g_mask, other=0)[None, :]
         x_scale = tl.load(xscale_ptr + x_groups, mask=g_mask, other=0.0)
     return acc + group_sums.to(tl.float32) * (x_scale[None, :] * w_scale)
@@ -936,8 +936,9 @@ def _groupwise_gemv_int_kernel(
             odd_coarse, odd_fine = 0, 0
     else:  # x's codes are read per step
         even_coarse, even_fine, odd_coarse, odd_fine, own_step = 0, 0, 0, 0, 0
-    # [BLOCK_N, groups per step], made by a step's own reshape and reduction: compiled for
-    # sm_90, the experts' SwiGLU form then takes 96 registers, against 128 from `tl.zeros`
+    # [BLOCK_N, groups per step], made as a reduction of a reshaped [BLOCK_N, BLOCK_WORDS]
+    # tile: compiled for sm_90, the experts' SwiGLU form then takes 96 registers, against 128
+    # with `tl.zeros` of that shape
     acc = tl.sum(
         tl.reshape(
             tl.zeros([BLOCK_N, BLOCK_WORDS], tl.float32),
