@@ -259,12 +259,11 @@ def check_groupwise_linear(
 def check_integer_gemv_at_extreme_q4_codes(module, codes: str, device) -> None:
     """The one-row integer kernel (`module.integer_linear`, `module.split_x`) against the exact
     product of the codes with x's split, within the output's rounding (half an fp16 unit of
-    each value) and the fp32 sums', where every q4 code is
-    -8 or 7 (signed bytes of -128 and 112 in the kernel) and x is near its groups' largest
-    value with fine codes of every size: `codes` "low" (all -8, each group's int32 sum of
-    -8 times near 127 * 254 * 64 about 2.6e8, near its bound) or "high" (all 7), or "mixed"
-    (-8 and 7 at random, x of random signs, so that even and odd values and the four words
-    of a load differ)."""
+    each value) and the fp32 sums', where every q4 code is -8 or 7 (signed bytes of -128 and
+    112 in the kernel) and x is near its groups' largest value, with fine codes of every size.
+    `codes`: "low" (all -8: each group's int32 sum, 16 * 8 * 127 * 254 * 64 at most, is near
+    its bound), "high" (all 7), or "mixed" (-8 and 7 at random and x of random signs, so that
+    even and odd values and the four words of a load differ)."""
     fmt = get_format("q4_g64_fp16")
     n, k = 8, 512
     generator = torch.Generator().manual_seed(len(codes))
