@@ -763,13 +763,9 @@ def model_cache(
     that overcommits, the kernel's OOM killer), where they do not fit in memory."""
     spec = model.cache_spec()
     state_dtype = getattr(torch, config.gdn_state_dtype)
-    extra = 1 if graphs else 0
-    kv_bytes = (num_pages + extra) * spec.page_bytes(model.dtype)
-    slot_bytes = (config.max_concurrency + extra) * spec.slot_bytes(model.dtype, state_dtype)
-    needed = kv_bytes + slot_bytes
-    available = host_available_bytes() if model.device.type == "cpu" else None
-    if available is not None and needed > available:
-        raise ConfigError(_cache_too_big(num_pages, kv_bytes, slot_bytes, available, "free memory"))
+    kv_bytes, slot_bytes = cache_bytes(config, model, num_pages, graphs)
+    if model.device.type == "cpu":
+        check_host_cache(num_pages, kv_bytes, slot_bytes, host_available_bytes())
     try:
         return ModelCache(
             spec,
@@ -786,14 +782,48 @@ def model_cache(
         raise ConfigError(_cache_too_big(num_pages, kv_bytes, slot_bytes, None, "memory")) from None
 
 
+def cache_bytes(
+    config: EngineConfig, model: torch.nn.Module, num_pages: int, graphs: bool
+) -> tuple[int, int]:
+    """(K/V pool bytes, state slot bytes) that `model_cache` allocates for `num_pages` pages
+    (a scratch page and slot more with graphs)."""
+    spec = model.cache_spec()
+    state_dtype = getattr(torch, config.gdn_state_dtype)
+    extra = 1 if graphs else 0
+    kv_bytes = (num_pages + extra) * spec.page_bytes(model.dtype)
+    slot_bytes = (config.max_concurrency + extra) * spec.slot_bytes(model.dtype, state_dtype)
+    return kv_bytes, slot_bytes
+
+
+def check_host_cache(
+    num_pages: int, kv_bytes: int, slot_bytes: int, available: int | None, ranks: int = 1
+) -> None:
+    """A `ConfigError` naming the sizes where `ranks` processes on this host, each allocating
+    that K/V pool and those state slots, would not fit in `available` bytes (None: unknown,
+    no check)."""
+    if available is not None and ranks * (kv_bytes + slot_bytes) > available:
+        raise ConfigError(
+            _cache_too_big(num_pages, kv_bytes, slot_bytes, available, "free memory", ranks)
+        )
+
+
 def _cache_too_big(
-    num_pages: int, kv_bytes: int, slot_bytes: int, available: int | None, where: str
+    num_pages: int,
+    kv_bytes: int,
+    slot_bytes: int,
+    available: int | None,
+    where: str,
+    ranks: int = 1,
 ) -> str:
     have = f"the {available / 2**30:.1f} GiB of {where}" if available is not None else where
+    whose = ""
+    if ranks > 1:
+        together = ranks * (kv_bytes + slot_bytes)
+        whose = f" of each of the {ranks} ranks on this host ({together / 2**30:.1f} GiB together)"
     return (
         f"the K/V pool of {num_pages * PAGE_SIZE} tokens ({kv_bytes / 2**30:.1f} GiB) and the "
-        f"state slots ({slot_bytes / 2**30:.1f} GiB) do not fit in {have}; lower max_context, "
-        "kv_capacity or max_concurrency"
+        f"state slots ({slot_bytes / 2**30:.1f} GiB){whose} do not fit in {have}; lower "
+        "max_context, kv_capacity or max_concurrency"
     )
 
 

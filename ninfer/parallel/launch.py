@@ -229,7 +229,10 @@ def load_rank(
     """Load this rank's slice of the model and its pools; rank 0 gets the engine core."""
     from ninfer.engine.engine import (
         build_core,
+        cache_bytes,
         cache_reserve_bytes,
+        check_host_cache,
+        host_available_bytes,
         model_cache,
         pool_pages,
         uses_cuda_graphs,
@@ -245,6 +248,16 @@ def load_rank(
     pages = torch.tensor([pool_pages(config, spec.page_bytes(dtype), device, reserve)])
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=group.control_group)
     num_pages = int(pages.item())
+    if device.type == "cpu":
+        # The ranks on this host allocate their caches side by side: every rank checks them
+        # together against the least free memory any of them reads, so all agree
+        available = host_available_bytes()
+        least = torch.tensor([-1 if available is None else available], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group.control_group)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
+        kv_bytes, slot_bytes = cache_bytes(config, model, num_pages, graphs)
+        known = int(least.item()) if least.item() >= 0 else None
+        check_host_cache(num_pages, kv_bytes, slot_bytes, known, ranks)
     channel = StepChannel(group.control_group)
     if group.rank != 0:
         if device.type == "cuda":

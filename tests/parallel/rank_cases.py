@@ -57,6 +57,37 @@ def run_cases(rank: int, world: int, init_method: str, cases: list[dict], out_di
     dist.destroy_process_group()
 
 
+def load_with_little_memory(rank: int, world: int, init_method: str, path: str, out_dir: str):
+    """Load a rank of the model while the host's free memory (as `host_available_bytes`
+    reads it) is 1.5 times one rank's K/V pool and state slots: room for one rank, not for
+    `world`. Writes what `load_rank` raised, or "loaded", to `out_dir`/<rank>.txt."""
+    from ninfer.engine import engine
+    from ninfer.errors import ConfigError
+    from ninfer.parallel.shard import Shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT
+    )
+    device_group = dist.new_group(list(range(world)), timeout=TIMEOUT)
+    control_group = dist.new_group(list(range(world)), timeout=TIMEOUT)
+    group = ParallelGroup(rank, world, device_group, control_group)
+    config = engine_config(world, False)
+    source = ArtifactModel(Path(path))
+    shard = source.load(torch.device("cpu"), torch.float32, Shard(rank, world, False, device_group))
+    page_bytes = shard.cache_spec().page_bytes(torch.float32)
+    pages = engine.pool_pages(config, page_bytes, torch.device("cpu"))
+    kv_bytes, slot_bytes = engine.cache_bytes(config, shard, pages, False)
+    engine.host_available_bytes = lambda: int(1.5 * (kv_bytes + slot_bytes))
+    try:
+        load_rank(source, config, group, torch.device("cpu"), torch.float32)
+        outcome = "loaded"
+    except ConfigError as error:
+        outcome = str(error)
+    Path(out_dir, f"{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
 def echo_steps(rank: int, init_method: str, steps: list, out_path: str) -> None:
     """Rank 0 sends `steps` ((StepInputs fields, fresh slots) pairs) over a `StepChannel`,
     then stop; rank 1 writes what it received to `out_path` as JSON."""

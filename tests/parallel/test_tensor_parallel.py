@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import convert_tiny, greedy_tokens, kill_a_rank_mid_run, ninfer_process
-from rank_cases import engine_config, run_cases
+from rank_cases import engine_config, load_with_little_memory, run_cases
 
 from ninfer.engine.engine import load_core
 from ninfer.errors import ConfigError
@@ -178,6 +178,22 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error(models):
     assert seconds < 30
     assert returncode != 0
     assert "error: tensor-parallel rank 1" in err and "SIGKILL" in err, err
+
+
+def test_the_ranks_on_a_host_check_their_caches_together(models, tmp_path):
+    """CPU ranks allocate their K/V pools and state slots in one host's memory: with room
+    for one rank's and not two, both ranks refuse, naming the two together."""
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(
+        load_with_little_memory,
+        args=(2, init_method, str(models["dense"]), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for rank in range(2):
+        outcome = (tmp_path / f"{rank}.txt").read_text()
+        assert "of each of the 2 ranks on this host" in outcome, outcome
+        assert "do not fit in" in outcome and "lower max_context" in outcome
 
 
 def test_the_step_channel_carries_short_and_long_steps(tmp_path):
