@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ninfer.cli.config import add_config_argument, settings_from
+from ninfer.engine.config import GDN_STATE_DTYPES
 from ninfer.errors import ConfigError, NinferError
 
 
@@ -117,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     device.add_argument(
         "--gdn-state-dtype",
-        choices=("float32", "bfloat16"),
+        choices=GDN_STATE_DTYPES,
         help="the GDN recurrent state: float32 (default) or bfloat16 (half its memory and "
         "decode traffic, rounded each step)",
     )

@@ -854,10 +854,8 @@ def host_available_bytes() -> int | None:
 def cache_reserve_bytes(config: EngineConfig, model: torch.nn.Module, graphs: bool) -> int:
     """What to set aside before an `auto` K/V pool is sized: the state slots (one per lane,
     plus the graphs' scratch slot) and, with graphs, their memory pool."""
-    slots = config.max_concurrency + (1 if graphs else 0)
-    state_dtype = getattr(torch, config.gdn_state_dtype)
-    reserve = slots * model.cache_spec().slot_bytes(model.dtype, state_dtype)
-    return reserve + (graph_reserve_bytes(config, model) if graphs else 0)
+    _, slot_bytes = cache_bytes(config, model, 0, graphs)
+    return slot_bytes + (graph_reserve_bytes(config, model) if graphs else 0)
 
 
 def graph_reserve_bytes(config: EngineConfig, model: torch.nn.Module) -> int:
