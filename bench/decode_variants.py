@@ -59,6 +59,8 @@ BF16 = torch.bfloat16
 Q4, Q8 = get_format("q4_g64_fp16"), get_format("q8_g32_fp16")
 # 27B q4 products: MLP gate|up, MLP down, GDN out_proj, GDN qkv|z
 GEMV_SHAPES = ((34816, 5120), (5120, 17408), (5120, 6144), (16384, 5120))
+# Warps the integer GEMV sweeps try.
+SWEEP_WARPS = (2, 4, 8)
 
 
 def median_us(fn) -> float:
@@ -444,25 +446,37 @@ def _dense_product(fmt, n: int, k: int, conv_channels: int):
 
 
 def _int_gemv_settings(products, copy: float) -> None:
-    """Each product timed at every (rows per program, words per step) setting, the rule's
-    choice marked."""
+    """Each product timed at every (rows per program, words per step, warps) setting, the
+    rule's choice marked; then each product's fastest three beside the chosen one."""
     config = groupwise_gemv_triton._int_config
-    print(f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'us':>7} {'of copy':>8}")
+    print(
+        f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'warps':>5} {'us':>7} {'of copy':>8}"
+    )
+    summary = []
     for name, weight, calls, out_cols in products:
         rows, k = weight.shape[-2:]
         moved = out_cols * get_format(weight.format).encoded_nbytes((rows, k))
         row_words = weight.planes["codes"].shape[-1] // 4
         bits = INT_FORMATS[weight.format][0]
         chosen = config(rows, row_words, out_cols, torch.device(DEVICE), bits)
+        timed = []
         for block_n in (4, 8, 16, 32, 64):
             for words in (1024, 2048, 4096):
-                setting = block_n, max(8, words // block_n)
-                groupwise_gemv_triton._int_config = lambda *shape, setting=setting: setting
-                us = median_us(rotating(calls))
-                share = moved / (us * 1e-6) / copy
-                mark = " (as chosen)" if setting == chosen else ""
-                print(f"{name:40} {block_n:4d} {words:5d} {us:7.2f} {share:8.0%}{mark}")
+                for warps in SWEEP_WARPS:
+                    setting = block_n, max(8, words // block_n), warps
+                    groupwise_gemv_triton._int_config = lambda *shape, setting=setting: setting
+                    us = median_us(rotating(calls))
+                    timed.append((us, setting))
+                    share = moved / (us * 1e-6) / copy
+                    mark = " (as chosen)" if setting == chosen else ""
+                    print(
+                        f"{name:40} {block_n:4d} {words:5d} {warps:5d} {us:7.2f} {share:8.0%}{mark}"
+                    )
         groupwise_gemv_triton._int_config = config
+        as_chosen = min((us for us, setting in timed if setting == chosen), default=float("nan"))
+        fastest = "; ".join(f"{setting} {us:.2f}" for us, setting in sorted(timed)[:3])
+        summary.append(f"{name:40} chosen {chosen} {as_chosen:.2f} us | fastest: {fastest}")
+    print("\n".join(summary))
 
 
 def int4pack(encoded, inner_k_tiles: int):

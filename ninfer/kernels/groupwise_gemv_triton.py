@@ -81,18 +81,24 @@ INT_MIN_PROGRAMS_PER_SM = 2
 # outweighed the parallelism of small ones (4.8 against 5.8 us at nine pairs on the GPU
 # machine; bench/decode_kernels.md, "Integer GEMV and fused router at the 35B-A3B shapes").
 INT_SHORT_ROW_WORDS, INT_SHORT_ROWS_WORDS = 128, 4096
-# One-row products whose fastest setting on a device differs from the rule's, as (rows per
-# program, words per row and step) by device name, then (bits, rows, code words per row).
-# From the sweeps of `python bench/decode_variants.py` (bench/decode_kernels.md, "Integer
-# GEMV at the 27B shapes" and "... at the 35B-A3B shapes"): no rule over rows or programs
-# per SM separates these from the products where their settings are slower. A product takes
-# its setting with the GDN conv inside or not, so that the two stay bit for bit alike.
-INT_TUNED: dict[str, dict[tuple[int, int, int], tuple[int, int]]] = {
+# Products whose fastest setting on a device differs from the rule's, as (rows per program,
+# words per row and step, warps) by device name, then (bits, rows, code words per row, x rows
+# or token-expert pairs). From the sweeps of `python bench/decode_variants.py`
+# (bench/decode_kernels.md, "Integer GEMV at the 27B shapes", "... at the 35B-A3B shapes" and
+# "Two warps a program"): no rule over rows or programs per SM separates these from the
+# products where their settings are slower. A product takes its setting with the GDN conv
+# inside or not, so that the two stay bit for bit alike.
+INT_TUNED: dict[str, dict[tuple[int, int, int, int], tuple[int, int, int]]] = {
     "NVIDIA H200": {
-        (4, 16384, 640): (32, 64),  # 27B GDN q|k|v|z, with its conv: 18.0 -> 16.2 us
-        (4, 14336, 640): (32, 64),  # 27B attention q|gate|k|v: 14.2 -> 13.9 us
-        (4, 5120, 2176): (16, 256),  # 27B MLP down: 17.1 -> 16.7 us
-        (4, 12288, 256): (32, 64),  # 35B-A3B GDN q|k|v|z: 7.2 -> 6.6 us, with its conv 7.8 -> 7.2
+        (4, 16384, 640, 1): (16, 64, 4),  # 27B GDN q|k|v|z with its conv: 16.2 -> 15.4 us
+        (4, 14336, 640, 1): (32, 64, 4),  # 27B attention q|gate|k|v: 14.2 -> 13.9 us
+        (4, 5120, 768, 1): (8, 256, 2),  # 27B out projections: 8.1 -> 7.6 us
+        (4, 34816, 640, 1): (16, 128, 2),  # 27B MLP gate|up: 26.3 -> 25.9 us
+        (4, 5120, 2176, 1): (8, 128, 2),  # 27B MLP down: 16.1 -> 15.7 us
+        (4, 12288, 256, 1): (16, 64, 2),  # 35B-A3B GDN q|k|v|z with its conv: 7.1 -> 6.8 us
+        (4, 9216, 256, 1): (16, 64, 2),  # 35B-A3B attention q|gate|k|v: 6.1 -> 5.7 us
+        (4, 2048, 512, 1): (8, 256, 2),  # 35B-A3B out projections: 5.0 -> 4.1 us
+        (4, 1024, 256, 9): (8, 256, 2),  # 35B-A3B experts' gate|up, nine pairs: 6.5 -> 5.9 us
     },
 }
 # The MoE experts' down projection takes the SwiGLU before it inside its kernel where its rows
@@ -1018,23 +1024,24 @@ def _int_config(
     device: torch.device,
     bits: int = 4,
 ):
-    """(rows per program, words per row and step) for rows of `row_words` code words: a
-    one-row product listed in INT_TUNED for the device takes its setting; short rows whole,
+    """(rows per program, words per row and step, warps) for rows of `row_words` code words
+    and `out_cols` x rows (or token-expert pairs): a product listed in INT_TUNED for the device
+    takes its setting; short rows whole,
     INT_SHORT_ROWS_WORDS words per program; otherwise INT_BLOCK_N rows, halved while the grid
     would not give every SM INT_MIN_PROGRAMS_PER_SM programs, and INT_STEP_WORDS spread over
-    them."""
-    if out_cols == 1 and device.type == "cuda":
-        tuned = INT_TUNED.get(_device_name(device), {}).get((bits, num_rows, row_words))
+    them; INT_WARPS warps where not listed."""
+    if device.type == "cuda":
+        tuned = INT_TUNED.get(_device_name(device), {}).get((bits, num_rows, row_words, out_cols))
         if tuned is not None:
             return tuned
     if row_words <= INT_SHORT_ROW_WORDS:
         step = next_power_of_2(row_words)
-        return min(64, INT_SHORT_ROWS_WORDS // step), step
+        return min(64, INT_SHORT_ROWS_WORDS // step), step, INT_WARPS
     sms = num_sms(device)
     block_n = INT_BLOCK_N
     while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < INT_MIN_PROGRAMS_PER_SM * sms:
         block_n //= 2
-    return block_n, max(8, INT_STEP_WORDS // block_n)
+    return block_n, max(8, INT_STEP_WORDS // block_n), INT_WARPS
 
 
 @functools.cache
@@ -1073,7 +1080,7 @@ def _int_linear(
         x_codes, corr, steps = split.codes, split.corr, split.steps
     else:
         x_codes, corr, steps = split_x(x, x_bits, group, num_groups * group)
-    block_n, block_words = _int_config(num_rows, num_words, out_rows, x.device, bits)
+    block_n, block_words, warps = _int_config(num_rows, num_words, out_rows, x.device, bits)
     words_per_group = group * x_bits // 32
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
     if swiglu:  # the kernel splits the activation of the whole row in one step
@@ -1116,7 +1123,7 @@ def _int_linear(
         WEIGHTS_BEFORE_WAIT=INT_WEIGHTS_BEFORE_WAIT
         and block_words >= num_words
         and (swiglu or not gather),
-        num_warps=INT_WARPS,
+        num_warps=warps,
         # the plain kernel's registers for sm_90 (ptxas): the conv's taps and window, read
         # before the loop, would take 72, which fits 7 programs per SM instead of 8; capped,
         # three of them wait in local memory

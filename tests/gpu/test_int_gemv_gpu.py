@@ -67,11 +67,23 @@ def test_integer_gemv_reads_q6_planes_as_stored(n, k, m):
 
 
 @pytest.mark.parametrize(
-    ("n", "k"), [(16384, 5120), (14336, 5120), (5120, 17408), (12288, 2048)], ids=str
+    ("n", "k"),
+    [
+        (16384, 5120),
+        (14336, 5120),
+        (5120, 6144),
+        (34816, 5120),
+        (5120, 17408),
+        (12288, 2048),
+        (9216, 2048),
+        (2048, 4096),
+    ],
+    ids=str,
 )
 def test_integer_gemv_at_the_settings_tuned_for_this_device(n, k):
-    """The one-row q4 products that `INT_TUNED` may list for this GPU (the H200's: 32 rows by 64
-    words, 16 by 256), at their shapes: within the same bound as every setting."""
+    """The one-row q4 products that `INT_TUNED` may list for this GPU (the H200's: two or four
+    warps, 8 to 32 rows by 64 to 256 words), at their shapes: within the same bound as every
+    setting."""
     from ninfer.kernels import groupwise_gemv_triton
 
     torch.manual_seed(n + k)

@@ -54,12 +54,12 @@ def test_conv_in_the_gemv_gives_the_two_kernels_bit_for_bit(kernels, format_name
     check_conv_in_the_gemv(kernels, format_name, rows, 192, channels)
 
 
-@pytest.mark.parametrize("setting", [(32, 64), (16, 256)], ids=str)
+@pytest.mark.parametrize("setting", [(32, 64, 4), (16, 256, 4), (16, 64, 2)], ids=str)
 def test_conv_in_the_gemv_at_the_tuned_settings(kernels, monkeypatch, setting):
-    """The settings `INT_TUNED` gives the in projections on the H200 (32 rows by 64 words a
-    step, 16 by 256), over several steps of K and a partial last block of rows: still the GEMV
-    then the conv kernel bit for bit, and the product within the GEMV's tolerance of the fp32
-    product of the dequantized weight."""
+    """Settings `INT_TUNED` gives products on the H200 (32 rows by 64 words a step, 16 by 256,
+    16 by 64 with two warps), over several steps of K and a partial last block of rows: still
+    the GEMV then the conv kernel bit for bit, and the product within the GEMV's tolerance of
+    the fp32 product of the dequantized weight."""
     monkeypatch.setattr(kernels[0], "_int_config", lambda *shape: setting)
     x, weight, product = check_conv_in_the_gemv(kernels, "q4_g64_fp16", 80, 1024, 48)
     exact = x.float() @ weight.decode(torch.float32).T

@@ -231,12 +231,12 @@ def test_integer_gemv_reads_short_rows_whole(interpreted):
     `INT_MIN_PROGRAMS_PER_SM` programs each) and `INT_STEP_WORDS` spread over them."""
     module = interpreted("groupwise_gemv_triton")
     cpu = torch.device("cpu")  # eight SMs, as the interpreter's grids count them
-    assert module._int_config(2048, 64, 9, cpu) == (64, 64)  # q4, K = 512, nine pairs
-    assert module._int_config(2048, 128, 1, cpu) == (32, 128)  # q4 K = 1024, q8 K = 512
-    assert module._int_config(64, 40, 1, cpu) == (64, 64)  # padded to a power of two
-    assert module._int_config(5120, 640, 1, cpu) == (16, 128)  # q4, K = 5120
-    assert module._int_config(384, 640, 1, cpu) == (16, 128)  # 24 programs: at least two per SM
-    assert module._int_config(40, 288, 1, cpu) == (4, 512)  # few rows: four per program
+    assert module._int_config(2048, 64, 9, cpu) == (64, 64, 4)  # q4, K = 512, nine pairs
+    assert module._int_config(2048, 128, 1, cpu) == (32, 128, 4)  # q4 K = 1024, q8 K = 512
+    assert module._int_config(64, 40, 1, cpu) == (64, 64, 4)  # padded to a power of two
+    assert module._int_config(5120, 640, 1, cpu) == (16, 128, 4)  # q4, K = 5120
+    assert module._int_config(384, 640, 1, cpu) == (16, 128, 4)  # 24 programs: at least two per SM
+    assert module._int_config(40, 288, 1, cpu) == (4, 512, 4)  # few rows: four per program
 
 
 def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpreted, monkeypatch):
@@ -289,21 +289,25 @@ def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpr
 
 
 def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, monkeypatch):
-    """A one-row product that `INT_TUNED` lists for the device takes its setting; the same
-    shape on another device, in another format or at more output columns takes the rule."""
+    """A product that `INT_TUNED` lists for the device takes its setting; the same shape on
+    another device, in another format or at another count of x rows or pairs takes the rule."""
     module = interpreted("groupwise_gemv_triton")
     cuda = torch.device("cuda")
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
     monkeypatch.setattr(module, "_device_name", lambda device: "NVIDIA H200")
-    assert module._int_config(16384, 640, 1, cuda, 4) == (32, 64)  # 27B GDN in projection
-    assert module._int_config(14336, 640, 1, cuda, 4) == (32, 64)  # 27B attention
-    assert module._int_config(5120, 2176, 1, cuda, 4) == (16, 256)  # 27B MLP down
-    assert module._int_config(12288, 256, 1, cuda, 4) == (32, 64)  # 35B-A3B GDN in projection
-    assert module._int_config(16384, 640, 1, cuda, 8) == (16, 128)
-    assert module._int_config(16384, 640, 2, cuda, 4) == (16, 128)
-    assert module._int_config(5120, 640, 1, cuda, 4) == (16, 128)
+    assert module._int_config(16384, 640, 1, cuda, 4) == (16, 64, 4)  # 27B GDN in projection
+    assert module._int_config(14336, 640, 1, cuda, 4) == (32, 64, 4)  # 27B attention
+    assert module._int_config(5120, 768, 1, cuda, 4) == (8, 256, 2)  # 27B out projections
+    assert module._int_config(5120, 2176, 1, cuda, 4) == (8, 128, 2)  # 27B MLP down
+    assert module._int_config(12288, 256, 1, cuda, 4) == (16, 64, 2)  # 35B-A3B GDN in projection
+    assert module._int_config(1024, 256, 9, cuda, 4) == (8, 256, 2)  # 35B-A3B experts' gate|up
+    assert module._int_config(1024, 256, 1, cuda, 4) == (16, 128, 4)
+    assert module._int_config(1024, 256, 18, cuda, 4) == (16, 128, 4)
+    assert module._int_config(16384, 640, 1, cuda, 8) == (16, 128, 4)
+    assert module._int_config(16384, 640, 2, cuda, 4) == (16, 128, 4)
+    assert module._int_config(5120, 640, 1, cuda, 4) == (16, 128, 4)
     monkeypatch.setattr(module, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert module._int_config(16384, 640, 1, cuda, 4) == (16, 128)
+    assert module._int_config(16384, 640, 1, cuda, 4) == (16, 128, 4)
 
 
 def test_tensor_core_splits_of_k_bound_the_partials_traffic(interpreted):
