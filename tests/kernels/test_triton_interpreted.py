@@ -301,7 +301,7 @@ def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, m
     assert module._int_config(5120, 2176, 1, cuda, 4) == (8, 128, 2)  # 27B MLP down
     assert module._int_config(12288, 256, 1, cuda, 4) == (16, 64, 2)  # 35B-A3B GDN in projection
     assert module._int_config(1024, 256, 9, cuda, 4) == (8, 256, 2)  # 35B-A3B experts' gate|up
-    assert module._int_config(1024, 256, 1, cuda, 4) == (16, 128, 4)
+    assert module._int_config(1024, 256, 1, cuda, 4) == (4, 512, 4)
     assert module._int_config(1024, 256, 18, cuda, 4) == (16, 128, 4)
     assert module._int_config(16384, 640, 1, cuda, 8) == (16, 128, 4)
     assert module._int_config(16384, 640, 2, cuda, 4) == (16, 128, 4)
