@@ -99,6 +99,8 @@ INT_TUNED: dict[str, dict[tuple[int, int, int, int], tuple[int, int, int]]] = {
         (4, 9216, 256, 1): (16, 64, 2),  # 35B-A3B attention q|gate|k|v: 6.1 -> 5.7 us
         (4, 2048, 512, 1): (8, 256, 2),  # 35B-A3B out projections: 5.0 -> 4.1 us
         (4, 1024, 256, 9): (8, 256, 2),  # 35B-A3B experts' gate|up, nine pairs: 6.5 -> 5.9 us
+        (6, 248320, 640, 1): (32, 64, 2),  # the q6 head at hidden 5120: 265 -> 237 us
+        (6, 248320, 256, 1): (32, 64, 2),  # ... at hidden 2048: 122 -> 99 us
     },
 }
 # The MoE experts' down projection takes the SwiGLU before it inside its kernel where its rows
