@@ -10,8 +10,8 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
 - at the 35B-A3B shapes, one token: the fused router stage by stage (the kernel with its dot
   products, arrival counter or routing left out), with the norm before it inside or apart,
   and its rows per program
-  (`moe_router_triton`) and the integer GEMV's rows per program and words per step at the
-  expert products (nine pairs, the shared expert stacked) and the dense products;
+  (`moe_router_triton`) and the integer GEMV's rows per program, words per step and warps at
+  the expert products (nine pairs, the shared expert stacked) and the dense products;
 - at the 27B shapes, one token: the same integer GEMV settings at every product of a layer
   and the head;
 - the one-row integer GEMV's time against its rows (so its programs per SM) at two K, its
@@ -51,12 +51,12 @@ from ninfer.kernels import (
 )
 from ninfer.kernels.moe_routing_triton import moe_route
 from ninfer.kernels.pdl_triton import await_inputs
-from ninfer.kernels.x_split import INT_FORMATS, SplitRequest
+from ninfer.kernels.x_split import SplitRequest
 from ninfer.quant import EncodedTensor, get_format
 
 DEVICE = "cuda"
 BF16 = torch.bfloat16
-Q4, Q8 = get_format("q4_g64_fp16"), get_format("q8_g32_fp16")
+Q4, Q8, Q6 = get_format("q4_g64_fp16"), get_format("q8_g32_fp16"), get_format("q6_g64_fp16")
 # 27B q4 products: MLP gate|up, MLP down, GDN out_proj, GDN qkv|z
 GEMV_SHAPES = ((34816, 5120), (5120, 17408), (5120, 6144), (16384, 5120))
 # Warps the integer GEMV sweeps try.
@@ -346,9 +346,9 @@ def norm_in_router() -> None:
 def moe_decode_settings() -> None:
     """35B-A3B (hidden 2048, 256 experts of 512, the shared expert stacked as a 257th) at one
     token: the fused router and routing by rows per program, then the integer GEMV by rows per
-    program and words per step at its expert and dense products, and at the 27B head and MLP
-    gate|up, in q4, at the heads in q8, the format they run in, and at the 35B-A3B GDN in
-    projection with its conv inside. Weights rotated over sets larger than the L2; `of copy`
+    program, words per step and warps at its expert and dense products, and at the 27B head
+    and MLP gate|up, in q4, at the heads in q8 and q6, the formats more rows and one row run
+    them in, and at the 35B-A3B GDN in projection with its conv inside. Weights rotated over sets larger than the L2; `of copy`
     counts the codes and scales read."""
     hidden, experts, inter, top_k = 2048, 256, 512, 8
     copy = copy_bandwidth(DEVICE)
@@ -396,8 +396,9 @@ def moe_decode_settings() -> None:
             pairs,
         ),
     ]
-    # q4: the model's products; q8: the heads as they run (stored q6_g64, widened to q8_g32);
-    # conv: the GDN in projection with its causal conv over the first 8192 channels (q|k|v)
+    # q4: the model's products; q8: the heads as more than one row runs them (stored q6_g64,
+    # widened to q8_g32); q6: as one row does; conv: the GDN in projection with its causal conv
+    # over the first 8192 channels (q|k|v)
     for fmt, n, k, channels in (
         (Q4, 12288, 2048, 0),
         (Q4, 12288, 2048, 8192),
@@ -408,22 +409,25 @@ def moe_decode_settings() -> None:
         (Q4, 34816, 5120, 0),
         (Q8, 248320, 2048, 0),
         (Q8, 248320, 5120, 0),
+        (Q6, 248320, 2048, 0),
+        (Q6, 248320, 5120, 0),
     ):
         products.append(_dense_product(fmt, n, k, channels))
     _int_gemv_settings(products, copy)
 
 
 def dense_decode_settings() -> None:
-    """27B at one token: the integer GEMV by rows per program and words per step at every q4
-    product of a layer (the GDN in projection with its conv inside, as the step runs it) and
-    at the q8 head."""
+    """27B at one token: the integer GEMV by rows per program, words per step and warps at
+    every q4 product of a layer (the GDN in projection with its conv inside, as the step runs
+    it) and at the head, in q8 and q6."""
     products = [
         _dense_product(Q4, 16384, 5120, 10240),  # GDN q|k|v|z, the conv over q|k|v
         _dense_product(Q4, 14336, 5120, 0),  # attention q|gate|k|v
         _dense_product(Q4, 5120, 6144, 0),  # GDN and attention out projections
         _dense_product(Q4, 34816, 5120, 0),  # MLP gate|up
         _dense_product(Q4, 5120, 17408, 0),  # MLP down
-        _dense_product(Q8, 248320, 5120, 0),  # the head as it runs
+        _dense_product(Q8, 248320, 5120, 0),  # the head widened, as more rows run it
+        _dense_product(Q6, 248320, 5120, 0),  # the head as one row runs it
     ]
     _int_gemv_settings(products, copy_bandwidth(DEVICE))
 
@@ -441,7 +445,13 @@ def _dense_product(fmt, n: int, k: int, conv_channels: int):
         conv_product = groupwise_gemv_triton.integer_linear_conv
         calls = [partial(conv_product, x, w, taps, windows, slot) for w in weights]
         return f"dense q4 {n}x{k} with the conv", weights[0], calls, 1
-    calls = [partial(groupwise_gemv_triton.groupwise_linear, x, w) for w in weights]
+    # q6 (the heads as stored) at one row: its planes read as stored
+    product = (
+        groupwise_gemv_triton.integer_linear
+        if fmt is Q6
+        else groupwise_gemv_triton.groupwise_linear
+    )
+    calls = [partial(product, x, w) for w in weights]
     return f"dense {fmt.name[:2]} {n}x{k}", weights[0], calls, 1
 
 
@@ -457,7 +467,7 @@ def _int_gemv_settings(products, copy: float) -> None:
         rows, k = weight.shape[-2:]
         moved = out_cols * get_format(weight.format).encoded_nbytes((rows, k))
         row_words = weight.planes["codes"].shape[-1] // 4
-        bits = INT_FORMATS[weight.format][0]
+        bits = groupwise_gemv_triton.ONE_ROW_FORMATS[weight.format][0]
         chosen = config(rows, row_words, out_cols, torch.device(DEVICE), bits)
         timed = []
         for block_n in (4, 8, 16, 32, 64):
