@@ -348,8 +348,8 @@ def moe_decode_settings() -> None:
     token: the fused router and routing by rows per program, then the integer GEMV by rows per
     program, words per step and warps at its expert and dense products, and at the 27B head
     and MLP gate|up, in q4, at the heads in q8 and q6, the formats more rows and one row run
-    them in, and at the 35B-A3B GDN in projection with its conv inside. Weights rotated over sets larger than the L2; `of copy`
-    counts the codes and scales read."""
+    them in, and at the 35B-A3B GDN in projection with its conv inside. Weights rotated over
+    sets larger than the L2; `of copy` counts the codes and scales read."""
     hidden, experts, inter, top_k = 2048, 256, 512, 8
     copy = copy_bandwidth(DEVICE)
     x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
@@ -459,9 +459,8 @@ def _int_gemv_settings(products, copy: float) -> None:
     """Each product timed at every (rows per program, words per step, warps) setting, the
     rule's choice marked; then each product's fastest three beside the chosen one."""
     config = groupwise_gemv_triton._int_config
-    print(
-        f"{'integer GEMV, one token':40} {'rows':>4} {'words':>5} {'warps':>5} {'us':>7} {'of copy':>8}"
-    )
+    heading = f"{'rows':>4} {'words':>5} {'warps':>5} {'us':>7} {'of copy':>8}"
+    print(f"{'integer GEMV, one token':40} {heading}")
     summary = []
     for name, weight, calls, out_cols in products:
         rows, k = weight.shape[-2:]
@@ -479,9 +478,8 @@ def _int_gemv_settings(products, copy: float) -> None:
                     timed.append((us, setting))
                     share = moved / (us * 1e-6) / copy
                     mark = " (as chosen)" if setting == chosen else ""
-                    print(
-                        f"{name:40} {block_n:4d} {words:5d} {warps:5d} {us:7.2f} {share:8.0%}{mark}"
-                    )
+                    row = f"{block_n:4d} {words:5d} {warps:5d} {us:7.2f} {share:8.0%}{mark}"
+                    print(f"{name:40} {row}")
         groupwise_gemv_triton._int_config = config
         as_chosen = min((us for us, setting in timed if setting == chosen), default=float("nan"))
         fastest = "; ".join(f"{setting} {us:.2f}" for us, setting in sorted(timed)[:3])

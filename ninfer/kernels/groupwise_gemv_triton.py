@@ -1028,10 +1028,9 @@ def _int_config(
 ):
     """(rows per program, words per row and step, warps) for rows of `row_words` code words
     and `out_cols` x rows (or token-expert pairs): a product listed in INT_TUNED for the device
-    takes its setting; short rows whole,
-    INT_SHORT_ROWS_WORDS words per program; otherwise INT_BLOCK_N rows, halved while the grid
-    would not give every SM INT_MIN_PROGRAMS_PER_SM programs, and INT_STEP_WORDS spread over
-    them; INT_WARPS warps where not listed."""
+    takes its setting; short rows whole, INT_SHORT_ROWS_WORDS words per program; otherwise
+    INT_BLOCK_N rows, halved while the grid would not give every SM INT_MIN_PROGRAMS_PER_SM
+    programs, and INT_STEP_WORDS spread over them; INT_WARPS warps where not listed."""
     if device.type == "cuda":
         tuned = INT_TUNED.get(_device_name(device), {}).get((bits, num_rows, row_words, out_cols))
         if tuned is not None:

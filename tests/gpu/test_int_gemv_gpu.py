@@ -51,8 +51,9 @@ def test_integer_gemv_is_exact_at_the_extreme_q4_codes(codes):
 def test_integer_gemv_reads_q6_planes_as_stored(n, k, m):
     """q6_g64 (the heads' stored format) read as its low and high planes: within the same bound
     of the fp32 product of the dequantized weight, at the 27B and 35B-A3B head widths (also
-    with the vocabulary's rows, which `INT_TUNED` may list) and a K that pads its last group; and a head layer's one row (`GroupwiseLinear.one_row`) gives
-    what the q8_g32 it widens to gives, up to the two splits of x."""
+    with the vocabulary's rows, which `INT_TUNED` may list) and a K that pads its last group;
+    and a head layer's one row (`GroupwiseLinear.one_row`) gives what the q8_g32 it widens to
+    gives, up to the two splits of x."""
     from ninfer.kernels import groupwise_gemv_triton
     from ninfer.models.layers.linear import GroupwiseLinear
     from ninfer.quant import get_format
