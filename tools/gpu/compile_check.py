@@ -221,6 +221,19 @@ def cases():
         finally:
             groupwise_gemv_triton._int_config = rule
 
+    def persistent_integer_gemv():
+        """The persistent form (`INT_PERSISTENT_PROGRAMS_PER_SM`) at the 27B out projection's
+        shape, in q4 and as the q6 head reads its planes."""
+        default = groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM
+        groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM = 2
+        try:
+            x = torch.randn(1, 6144, dtype=BF16)
+            for fmt in (q4, "q6_g64_fp16"):
+                weight = get_format(fmt).encode(torch.randn(5120, 6144) * 0.02)
+                groupwise_gemv_triton.integer_linear(x, weight)
+        finally:
+            groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM = default
+
     def experts_down_with_the_swiglu():
         stacked = get_format(q4).encode(torch.randn(257 * 2048, 512) * 0.02)
         planes = {name: p.reshape(257, 2048, -1) for name, p in stacked.planes.items()}
@@ -294,6 +307,7 @@ def cases():
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),
         ("integer gemv at the tuned settings", integer_gemv_at_the_tuned_settings),
+        ("persistent integer gemv", persistent_integer_gemv),
         ("grouped gemv with the swiglu", experts_down_with_the_swiglu),
         ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
