@@ -18,13 +18,11 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   weights from DRAM (rotated) and held in the L2 (one weight again and again), and the time
   one dependent launch of a trivial kernel adds to a chain inside a CUDA graph, with and
   without programmatic dependent launch (docs/performance.md, Measurement 21);
-- the persistent form of the one-row integer GEMV (`INT_PERSISTENT_PROGRAMS_PER_SM`) against
-  the per-block one at the dense products it takes, by programs an SM and rows per block;
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
 
-    python bench/decode_variants.py [--skip-int4pack] [--only NAME]
+    python bench/decode_variants.py [--skip-int4pack] [--only NAME] [--warps 2,4,8]
 """
 
 from __future__ import annotations
@@ -382,6 +380,8 @@ def moe_decode_settings() -> None:
     tokens = torch.zeros(pairs, device=DEVICE, dtype=torch.int32)
     rows_in = torch.arange(pairs, device=DEVICE, dtype=torch.int32)
     hidden_in = torch.randn(pairs, inter, device=DEVICE, dtype=BF16)
+    gate_up_in = torch.randn(pairs, 2 * inter, device=DEVICE, dtype=BF16)
+    swiglu_down = groupwise_gemv_triton.grouped_swiglu_linear
     grouped = groupwise_gemv_triton.grouped_groupwise_linear
     # (name, one weight of the product's shape, the calls rotated over, output columns)
     products = [
@@ -395,6 +395,12 @@ def moe_decode_settings() -> None:
             f"experts down, {pairs} x {hidden}x{inter}",
             down,
             [partial(grouped, hidden_in, down, rows_in, e) for e in choices],
+            pairs,
+        ),
+        (  # as the step runs it: rows read whole, so the words a step do not change it
+            f"experts down, SwiGLU inside, {pairs} x {hidden}x{inter}",
+            down,
+            [partial(swiglu_down, gate_up_in, down, rows_in, e) for e in choices],
             pairs,
         ),
     ]
@@ -487,41 +493,6 @@ def _int_gemv_settings(products, copy: float) -> None:
         fastest = "; ".join(f"{setting} {us:.2f}" for us, setting in sorted(timed)[:3])
         summary.append(f"{name:40} chosen {chosen} {as_chosen:.2f} us | fastest: {fastest}")
     print("\n".join(summary))
-
-
-def persistent_one_row() -> None:
-    """The one-row products the persistent integer kernel takes (dense, no conv inside), at
-    the 27B and 35B-A3B shapes: the per-block kernel at the product's setting, then the
-    persistent one at 1-4 programs an SM with that setting's rows per block and with a half
-    and a quarter of them (the same words per row and step and warps)."""
-    products = [
-        _dense_product(Q4, 14336, 5120, 0),  # 27B attention q|gate|k|v
-        _dense_product(Q4, 5120, 6144, 0),  # 27B out projections
-        _dense_product(Q4, 34816, 5120, 0),  # 27B MLP gate|up
-        _dense_product(Q4, 5120, 17408, 0),  # 27B MLP down
-        _dense_product(Q4, 9216, 2048, 0),  # 35B-A3B attention q|gate|k|v
-        _dense_product(Q4, 2048, 4096, 0),  # 35B-A3B out projections
-        _dense_product(Q6, 248320, 2048, 0),  # 35B-A3B head
-    ]
-    config = groupwise_gemv_triton._int_config
-    default = groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM
-    print(f"{'persistent one-row GEMV':32} {'rows':>4} {'per SM':>6} {'us':>7}")
-    for name, weight, calls, _ in products:
-        rows, k = weight.shape
-        bits = groupwise_gemv_triton.ONE_ROW_FORMATS[weight.format][0]
-        row_words = weight.planes["codes"].shape[-1] // 4
-        block_n, words, warps = config(rows, row_words, 1, torch.device(DEVICE), bits)
-        print(f"{name:32} {block_n:4d} {'-':>6} {median_us(rotating(calls)):7.2f}")
-        for rows_per_block in sorted({block_n, max(2, block_n // 2), max(2, block_n // 4)}):
-            setting = rows_per_block, words, warps
-            groupwise_gemv_triton._int_config = lambda *shape, setting=setting: setting
-            for per_sm in (1, 2, 3, 4):
-                groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM = per_sm
-                us = median_us(rotating(calls))
-                print(f"{name:32} {rows_per_block:4d} {per_sm:6d} {us:7.2f}")
-        groupwise_gemv_triton._int_config = config
-        groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM = default
-        del weight, calls
 
 
 def int4pack(encoded, inner_k_tiles: int):
@@ -621,7 +592,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-int4pack", action="store_true", help="only the one-token sweeps")
     parser.add_argument("--only", help="run this one function of the file (a name)")
+    parser.add_argument(
+        "--warps", help="the warps the integer GEMV sweeps try, as 1,2 (default 2,4,8)"
+    )
     args = parser.parse_args()
+    if args.warps:
+        global SWEEP_WARPS
+        SWEEP_WARPS = tuple(int(w) for w in args.warps.split(","))
     if args.only:
         function = globals().get(args.only)
         own = callable(function) and getattr(function, "__module__", None) == __name__
@@ -639,7 +616,6 @@ def main() -> None:
     dense_decode_settings()
     one_row_fixed_cost()
     dependent_launch_floor()
-    persistent_one_row()
     if not args.skip_int4pack:
         int4pack_against_ours()
 

@@ -23,9 +23,7 @@ planes and never leave registers as floats. Two kernels:
   reads its channels' taps and window before the product and finishes its rows alone. A
   program that reads its rows in one step asks for its codes and scales before it waits for
   the kernel before it (`INT_WEIGHTS_BEFORE_WAIT`), so that their memory round trip overlaps
-  that kernel instead of following it. A persistent form of the dense one-row kernel, whose
-  programs run several blocks of rows in one pipelined loop, is built and tested but off
-  (`INT_PERSISTENT_PROGRAMS_PER_SM`) until it is timed on the GPU machine.
+  that kernel instead of following it.
 - more x rows (x padded to 16 rows), on the tensor cores. By default (`TC_SCALE_AFTER`) each
   group's codes enter the product as exact integers in x's dtype (q4 with bf16 x through inline
   PTX, three instructions per two values) and each group's product is multiplied by its scale
@@ -113,11 +111,6 @@ INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).
 INT_STAGES = 3
-# One-row dense products through the persistent form of the integer kernel
-# (`_groupwise_gemv_int_persistent_kernel`) with this many programs an SM; 0 (the default):
-# a program for each block of rows. Not yet timed on the GPU machine against the default; kept
-# off until it is.
-INT_PERSISTENT_PROGRAMS_PER_SM = 0
 # A program that reads its rows in one step reads its codes and scales before it waits for the
 # kernel before it (`pdl_triton.READ_BEFORE_WAIT`; no kernel writes weights), in a dense
 # product or the experts' down one (its pairs come from the routing two kernels back): the
@@ -1000,82 +993,6 @@ def _groupwise_gemv_int_kernel(
     tl.store(out_ptr + col * stride_om + rows, out, mask=row_mask)
 
 
-@triton.jit
-def _groupwise_gemv_int_persistent_kernel(
-    xq_ptr,
-    corr_ptr,
-    xscale_ptr,
-    words_ptr,
-    scales_ptr,
-    out_ptr,
-    high_ptr,
-    N,
-    num_words,
-    num_groups,
-    stride_words,
-    stride_scales,
-    stride_high,
-    steps,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_WORDS: tl.constexpr,
-    STAGES: tl.constexpr,
-    ASM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_groupwise_gemv_int_kernel` for one x row and a dense weight, persistent: program p of
-    P computes the blocks of rows p, p + P, p + 2P, ..., all their steps (`steps` a block) in
-    one pipelined loop, so that the first steps of a block are read while the block before it
-    finishes, and a program's pipeline fills once, not once a block. The blocks spread over
-    the programs evenly whatever the rows. Each row's sums are the other form's, in its order."""
-    await_inputs(PDL)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    my_blocks = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs)
-    parities: tl.constexpr = 1 if BITS == 8 else 2
-    words_per_group: tl.constexpr = GROUP * (4 if BITS == 6 else BITS) // 32
-    level = parities * num_words
-    m = pid * 0  # the one x row
-    acc = tl.sum(
-        tl.reshape(
-            tl.zeros([BLOCK_N, BLOCK_WORDS], tl.float32),
-            [BLOCK_N, BLOCK_WORDS // words_per_group, words_per_group],
-        ),
-        axis=2,
-    )
-    # a block's rows as offsets from its first, and the step and block of each turn carried
-    # from the last: a turn moves scalars, with no division
-    local = tl.arange(0, BLOCK_N)[:, None].to(tl.int64)
-    word_offsets, high_offsets = local * stride_words, local * stride_high
-    scale_offsets = local * stride_scales
-    step = steps - 1
-    block = pid - programs
-    for _ in tl.range(0, my_blocks * steps, num_stages=STAGES):
-        step = tl.where(step == steps - 1, 0, step + 1)
-        block = tl.where(step == 0, block + programs, block)
-        start = step * BLOCK_WORDS
-        first = block.to(tl.int64) * BLOCK_N
-        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        w, high_w, w_scale = _weight_step(
-            words_ptr + first * stride_words + word_offsets,
-            high_ptr + first * stride_high + high_offsets,
-            scales_ptr + first * stride_scales + scale_offsets,
-            start, rows < N, num_words, num_groups, BITS, BLOCK_WORDS, words_per_group,
-        )  # fmt: skip
-        acc = tl.where(step == 0, 0.0, acc)
-        acc = _int_step(
-            acc, w, high_w, w_scale, start, m, xq_ptr, level, num_words, num_groups,
-            corr_ptr, xscale_ptr, 0, 0, 0, 0, 0, BITS, False, BLOCK_N, BLOCK_WORDS,
-            words_per_group, ASM,
-        )  # fmt: skip
-        if step == steps - 1:
-            total = tl.sum(acc, axis=1)
-            if BITS == 4:
-                total = total * 0.0625  # q4's codes were read as 16 times their value
-            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-
 def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
     """x [M, K] -> (codes [M, 2, Kp/4] int32 (coarse words, then fine words), per-group
     corrections [M, Kp/group] int32 (read by q6, which takes q4's split; unused for q8),
@@ -1169,35 +1086,6 @@ def _int_linear(
     block_words = max(words_per_group, min(block_words, next_power_of_2(num_words)))
     if swiglu:  # the kernel splits the activation of the whole row in one step
         block_words = num_words
-    persistent = not (gather or swiglu or conv is not None) and out_rows == 1
-    if INT_PERSISTENT_PROGRAMS_PER_SM and persistent:
-        blocks = triton.cdiv(num_rows, block_n)
-        programs = min(blocks, INT_PERSISTENT_PROGRAMS_PER_SM * num_sms(x.device))
-        _groupwise_gemv_int_persistent_kernel[(programs,)](
-            x_codes,
-            corr,
-            steps,
-            words,
-            scales,
-            out,
-            high.view(torch.int16) if high is not None else out,
-            num_rows,
-            num_words,
-            num_groups,
-            words.stride(-2),
-            scales.stride(-2),
-            high.view(torch.int16).stride(0) if high is not None else 0,
-            triton.cdiv(num_words, block_words),
-            BITS=bits,
-            GROUP=group,
-            BLOCK_N=block_n,
-            BLOCK_WORDS=block_words,
-            STAGES=INT_STAGES,
-            ASM=not INTERPRETED,
-            num_warps=warps,
-            **pdl_options(x_codes.device),
-        )
-        return out
     _groupwise_gemv_int_kernel[(triton.cdiv(num_rows, block_n), out_rows)](
         x_codes,
         corr,

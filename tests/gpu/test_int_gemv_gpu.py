@@ -228,33 +228,3 @@ def test_whole_tiles_without_masks_give_the_masked_loop_bit_for_bit(
     whole = groupwise_gemv_triton.groupwise_linear(x, encoded)
     monkeypatch.setattr(groupwise_gemv_triton, "whole_tiles", lambda *shape: False)
     assert torch.equal(whole, groupwise_gemv_triton.groupwise_linear(x, encoded))
-
-
-@pytest.mark.parametrize("programs_per_sm", [1, 2, 4])
-@pytest.mark.parametrize(
-    ("format_name", "n", "k"),
-    [
-        ("q4_g64_fp16", 5120, 6144),
-        ("q4_g64_fp16", 5120, 17408),
-        ("q4_g64_fp16", 2048, 4096),
-        ("q4_g64_fp16", 1000, 5000),
-        ("q8_g32_fp16", 5120, 6144),
-        ("q6_g64_fp16", 248320, 2048),
-    ],
-    ids=str,
-)
-def test_persistent_integer_gemv_gives_the_per_block_form(
-    monkeypatch, format_name, n, k, programs_per_sm
-):
-    """The persistent kernel (`INT_PERSISTENT_PROGRAMS_PER_SM`) at the model shapes and a few
-    programs an SM, at each product's setting for this GPU: the per-block kernel's outputs,
-    bit for bit, as its sums are the same in the same order."""
-    from ninfer.kernels import groupwise_gemv_triton
-    from ninfer.quant import get_format
-
-    torch.manual_seed(n + k)
-    weight = get_format(format_name).encode(torch.randn(n, k, device="cuda") * 0.02)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    per_block = groupwise_gemv_triton.integer_linear(x, weight)
-    monkeypatch.setattr(groupwise_gemv_triton, "INT_PERSISTENT_PROGRAMS_PER_SM", programs_per_sm)
-    assert torch.equal(groupwise_gemv_triton.integer_linear(x, weight), per_block)

@@ -39,7 +39,7 @@ DECODE_TOKENS = [1, 8, 64]
 
 @pytest.mark.parametrize("format_name", FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(2 * WIDTH, HIDDEN), (HIDDEN, WIDTH)], ids=str)
-@pytest.mark.parametrize(("num_tokens", "pairs"), [(1, 8), (8, 64), (64, 512)], ids=str)
+@pytest.mark.parametrize(("num_tokens", "pairs"), [(1, 8), (1, 9), (8, 64), (64, 512)], ids=str)
 def test_grouped_gemv_at_the_35b_a3b_expert_shapes(format_name, n, k, num_tokens, pairs):
     from ninfer.kernels import groupwise_gemv_triton
 

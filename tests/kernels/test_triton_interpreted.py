@@ -288,30 +288,6 @@ def test_integer_gemv_reads_weights_before_the_wait_in_one_step_programs(interpr
         assert torch.equal(with_early[[0, -1]], without[[0, -1]])
 
 
-@pytest.mark.parametrize("format_name", ["q4_g64_fp16", "q8_g32_fp16", "q6_g64_fp16"])
-@pytest.mark.parametrize("k", [640, 600])
-def test_persistent_integer_gemv_gives_the_per_block_form_bit_for_bit(
-    interpreted, monkeypatch, format_name, k
-):
-    """`INT_PERSISTENT_PROGRAMS_PER_SM`: one-row products through the persistent kernel, whose
-    programs run several blocks of rows each (13 blocks of 16 rows, the last partial, over 8
-    or 16 programs; several steps a block, the last partial) give the per-block kernel's
-    outputs bit for bit, within the GEMV's bound of the exact product."""
-    module = interpreted("groupwise_gemv_triton")
-    torch.manual_seed(k)
-    weight = get_format(format_name).encode(torch.randn(200, k) * 0.05)
-    x = torch.randn(1, k, dtype=torch.bfloat16)
-    monkeypatch.setattr(module, "_int_config", lambda *shape: (16, 32, 4))
-    per_block = module.integer_linear(x, weight)
-    launches = record_launches(monkeypatch, module, "_groupwise_gemv_int_persistent_kernel", "BITS")
-    for programs_per_sm in (1, 2):  # the interpreter's eight SMs
-        monkeypatch.setattr(module, "INT_PERSISTENT_PROGRAMS_PER_SM", programs_per_sm)
-        assert torch.equal(module.integer_linear(x, weight), per_block)
-    assert len(launches) == 2
-    exact = x.float() @ weight.decode(torch.float32).T
-    assert (per_block.float() - exact).abs().max() <= 1e-2 * exact.abs().max()
-
-
 def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, monkeypatch):
     """A product that `INT_TUNED` lists for the device takes its setting; the same shape on
     another device, in another format or at another count of x rows or pairs takes the rule."""

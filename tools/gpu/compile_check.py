@@ -204,7 +204,7 @@ def cases():
 
     def integer_gemv_at_the_tuned_settings():
         """Every listed setting, in the forms a listed product may take: q4 with the conv
-        inside and without, and the q6 head's."""
+        inside and without, gathered (the experts' gate|up at nine pairs), and the q6 head's."""
         rule = groupwise_gemv_triton._int_config
         tables = groupwise_gemv_triton.INT_TUNED.values()
         head = get_format("q6_g64_fp16").encode(torch.randn(2048, 5120) * 0.02)
@@ -218,21 +218,12 @@ def cases():
                     kc.check_groupwise_linear(
                         groupwise_gemv_triton, q4, 1, 2048, 5120, BF16, cpu, 1e-2
                     )
+                with contextlib.suppress(AssertionError):
+                    kc.check_grouped_groupwise_linear(
+                        groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2
+                    )
         finally:
             groupwise_gemv_triton._int_config = rule
-
-    def persistent_integer_gemv():
-        """The persistent form (`INT_PERSISTENT_PROGRAMS_PER_SM`) at the 27B out projection's
-        shape, in q4 and as the q6 head reads its planes."""
-        default = groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM
-        groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM = 2
-        try:
-            x = torch.randn(1, 6144, dtype=BF16)
-            for fmt in (q4, "q6_g64_fp16"):
-                weight = get_format(fmt).encode(torch.randn(5120, 6144) * 0.02)
-                groupwise_gemv_triton.integer_linear(x, weight)
-        finally:
-            groupwise_gemv_triton.INT_PERSISTENT_PROGRAMS_PER_SM = default
 
     def experts_down_with_the_swiglu():
         stacked = get_format(q4).encode(torch.randn(257 * 2048, 512) * 0.02)
@@ -307,7 +298,6 @@ def cases():
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),
         ("integer gemv at the tuned settings", integer_gemv_at_the_tuned_settings),
-        ("persistent integer gemv", persistent_integer_gemv),
         ("grouped gemv with the swiglu", experts_down_with_the_swiglu),
         ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
