@@ -14,8 +14,9 @@ planes and never leave registers as floats. Two kernels:
   up, a high one in place: three instructions a word, and no correction for an offset), each
   thread's run of four words is one dp4a chain, and a row's sums over a step's groups are
   kept per group and added once after the loop, so that no step sums its groups across
-  threads (a group's two 16-byte loads still meet by a shuffle): the q4 loop compiles to 237 instructions per 128 weights a thread at sm_90, from 308
-  (docs/performance.md, Measurement 21). A program computes rows of one x row (a second
+  threads (a group's two 16-byte loads still meet by a shuffle): the q4 loop compiles to 237
+  instructions per 128 weights a thread at sm_90, from 308 (docs/performance.md, Measurement
+  21). A program computes rows of one x row (a second
   dimension over x rows held them in three-dimensional tiles and ran 20-30 % slower at one
   row, bench/decode_kernels.md); `integer_linear` takes more rows by reading the weight
   once per row, so only one row takes it in decode. For a GDN layer's in projection the

@@ -138,8 +138,8 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def _structure_fault(value: Any, max_depth: int, strings: bool) -> str | None:
     """What makes a decoded body unfit, found level by level (a few list comprehensions per
-    level: a 3.4 MB body of 100k messages takes about 0.1 s here): arrays and objects nested deeper than
-    `max_depth`, or (with `strings`) a string holding half a surrogate pair."""
+    level: a 3.4 MB body of 100k messages takes about 0.1 s here): arrays and objects nested
+    deeper than `max_depth`, or (with `strings`) a string holding half a surrogate pair."""
     level, depth = [value], 0
     while level:
         if strings:
