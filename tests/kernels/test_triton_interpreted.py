@@ -310,6 +310,21 @@ def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, m
     assert module._int_config(16384, 640, 1, cuda, 4) == (16, 128, 4)
 
 
+@pytest.mark.parametrize("warps", [2, 4])
+def test_integer_gemv_launches_with_its_settings_warps(interpreted, monkeypatch, warps):
+    """The warps `_int_config` gives a product (`INT_TUNED` lists two for some) are the warps
+    its kernel launches with; the product is the same either way."""
+    module = interpreted("groupwise_gemv_triton")
+    weight = get_format("q4_g64_fp16").encode(torch.randn(40, 320) * 0.05)
+    x = torch.randn(1, 320, dtype=torch.bfloat16)
+    monkeypatch.setattr(module, "_int_config", lambda *shape: (16, 16, warps))
+    launches = record_launches(monkeypatch, module, "_groupwise_gemv_int_kernel", "num_warps")
+    out = module.integer_linear(x, weight)
+    assert launches == [warps]
+    exact = x.float() @ weight.decode(torch.float32).T
+    assert (out.float() - exact).abs().max() <= 1e-2 * exact.abs().max()
+
+
 def test_tensor_core_splits_of_k_bound_the_partials_traffic(interpreted):
     """K is split to fill the H200's 132 SMs, but never so far that the splits' fp32 partials
     move more than `TC_PARTIAL_SHARE` of the weight's bytes: at eight rows the SMs set every
@@ -425,7 +440,8 @@ def test_groupwise_linear_integer_kernel_matches_dequantized_product(
 
 @pytest.mark.parametrize("codes", ["low", "high", "mixed"])
 def test_integer_kernel_is_exact_at_the_extreme_q4_codes(interpreted, codes):
-    """Codes -8 and 7, int32 group sums near their bound (`check_integer_gemv_at_extreme_q4_codes`)."""
+    """Codes -8 and 7, int32 group sums near their bound
+    (`check_integer_gemv_at_extreme_q4_codes`)."""
     check_integer_gemv_at_extreme_q4_codes(interpreted("groupwise_gemv_triton"), codes, "cpu")
 
 
