@@ -18,6 +18,9 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   weights from DRAM (rotated) and held in the L2 (one weight again and again), and the time
   one dependent launch of a trivial kernel adds to a chain inside a CUDA graph, with and
   without programmatic dependent launch (docs/performance.md, Measurement 21);
+- the q4 product at two to eight x rows in Gluon (`groupwise_gemv_gluon`) against the Triton
+  tensor-core kernel, at its rows per program, ring slots and the programs per SM that K is
+  split for (bench/decode_kernels.md, "The q4 product at eight rows in Gluon");
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
@@ -586,6 +589,54 @@ def dependent_launch_floor() -> None:
 
             us = median_us(chain) / launches
             print(f"{'copy x + 1 of 5120 bf16':24} {programs:8d} {str(pdl):>4} {us:13.2f}")
+
+
+def gluon_q4_settings() -> None:
+    """The 27B and 35B-A3B q4 products at 8 and 2 x rows: the Triton tensor-core kernel
+    (the dispatch with the Gluon kernel refused), then the Gluon one at each setting."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_q4
+
+    copy = copy_bandwidth(DEVICE)
+    shapes = (*GEMV_SHAPES, (12288, 5120), (9216, 2048), (2048, 4096))
+    settings = [
+        (64, 3, 2),
+        (64, 2, 2),
+        (64, 4, 2),
+        (64, 3, 3),
+        (64, 3, 4),
+        (128, 2, 1),
+        (128, 3, 1),
+    ]
+    default = gluon_q4.BLOCK_N, gluon_q4.STAGES, gluon_q4.PROGRAMS_PER_SM
+    real_fits, tuned = gluon_q4.fits, gluon_q4.TUNED
+    gluon_q4.TUNED = {}  # every product takes the setting swept
+    print(f"{'q4 product':18} {'M':>2} {'kernel':>24} {'us':>7} {'of copy':>8}")
+    for n, k in shapes:
+        nbytes = Q4.encoded_nbytes((n, k))
+        weights = [
+            Q4.encode(torch.randn(n, k, device=DEVICE) * 0.02)
+            for _ in range(max(2, math.ceil(240e6 / nbytes)))
+        ]
+        for m in (8, 2):
+            x = torch.randn(m, k, device=DEVICE, dtype=BF16)
+            calls = [partial(groupwise_gemv_triton.groupwise_linear, x, w) for w in weights]
+            rows = []
+            gluon_q4.fits = lambda x, weight: False
+            rows.append(("triton", median_us(rotating(calls))))
+            gluon_q4.fits = real_fits
+            for block_n, stages, per_sm in settings:
+                gluon_q4.BLOCK_N, gluon_q4.STAGES, gluon_q4.PROGRAMS_PER_SM = (
+                    block_n,
+                    stages,
+                    per_sm,
+                )
+                rows.append((f"gluon {block_n}/{stages}/{per_sm}", median_us(rotating(calls))))
+            gluon_q4.BLOCK_N, gluon_q4.STAGES, gluon_q4.PROGRAMS_PER_SM = default
+            for label, us in rows:
+                share = nbytes / (us * 1e-6) / copy
+                print(f"{f'{n}x{k}':18} {m:2d} {label:>24} {us:7.2f} {share:8.1%}")
+        del weights
+    gluon_q4.TUNED = tuned
 
 
 def main() -> None:

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels import groupwise_gemv_gluon
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 from ninfer.kernels.x_split import (
@@ -1238,6 +1239,8 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     m = x.shape[0]
     if m <= INT_MAX_ROWS:
         return _int_linear(x, codes, scales, num_rows, bits, group)
+    if groupwise_gemv_gluon.fits(x, weight):
+        return groupwise_gemv_gluon.q4_linear(x, weight)
     num_groups = scales.shape[1]
     weights_first = TC_WEIGHTS_FIRST and TC_SCALE_AFTER and m <= 8
     block_m = 8 if weights_first else min(64, max(16, next_power_of_2(m)))

@@ -98,7 +98,7 @@ def compile_only(compiled: list):
 
     patched = []
     for info in pkgutil.iter_modules(ninfer.kernels.__path__):
-        if not info.name.endswith("_triton"):
+        if not info.name.endswith(("_triton", "_gluon")):
             continue
         module = importlib.import_module(f"ninfer.kernels.{info.name}")
         for name, value in (
@@ -173,6 +173,13 @@ def cases():
     )
     from ninfer.kernels.x_split import SplitRequest
     from ninfer.quant import EncodedTensor, get_format
+
+    def gluon_q4(m: int, n: int, k: int) -> None:
+        # `fits` takes CUDA tensors only; the kernel's own conditions hold at these shapes
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
+        groupwise_gemv_gluon.q4_linear(torch.randn(m, k, dtype=BF16), weight)
 
     cpu, q4, q8 = "cpu", "q4_g64_fp16", "q8_g32_fp16"
     split = SplitRequest.for_format(q4)
@@ -294,6 +301,8 @@ def cases():
             "q6_g64_fp16", 1, 2048, 5120, BF16, cpu, 1e-2)),
         ("tensor-core gemv q4, split-K", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 512, 17408, BF16, cpu, 1e-2)),
+        ("tensor-core gemv q4 in gluon", lambda: gluon_q4(8, 34816, 5120)),
+        ("tensor-core gemv q4 in gluon, split-K", lambda: gluon_q4(3, 5120, 17408)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),

@@ -1,0 +1,478 @@
+"""q4_g64 weights times two to eight bf16 x rows on Hopper's tensor cores, in Gluon.
+Our own because no library reads this layout, and at eight decode rows these products are
+about 80 % of the 27B step (docs/performance.md, Measurement 20). Gluon (Triton's explicit
+layout language) gives what plain Triton does not: the layout of every register tensor is
+written out, so the codes go from shared memory straight into the MMA's operand registers,
+and the loads run as a TMA ring paced by mbarriers.
+
+The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 rows):
+- A program owns `BN` weight rows and walks K in tiles of `GROUPS` groups of 64 columns. Per
+  tile, TMA brings the tile's code words, its scales and x's tile into one of `STAGES` ring
+  slots, each slot with an mbarrier counting the bytes; the next tiles' copies are in flight
+  while a tile is computed. Codes and scales are never written by a kernel of the step, so
+  under PDL the first tiles' weight copies are issued before the wait on the previous kernel
+  and only x's wait for it.
+- Each thread of a row's quad loads two code words of a group (16 of its 64 values) and turns
+  each word into four bf16 pairs of exact integer codes (`_PAIRS_PTX`: a shift, a `lop3` that
+  puts a nibble xor 8 under 0x4300, the bf16 of 136 + code, and a subtraction of 136, per
+  pair). A pair holds the nibbles at bits 4q and 4q + 16 of a word, values q and q + 4 of its
+  eight, not neighbours. The MMA does not care which columns of the group a thread holds, as
+  long as x's operand holds the same columns in the same places: the dequantized values are
+  permuted (a register relabelling, `assert_trivial`) into the operand layout, giving each
+  operand position a column of the group, and x is read into its operand with that same
+  map. So no value moves between threads or through shared memory.
+- Each group's product goes into a fresh fp32 tile and is added to the total times the
+  group's fp16 scale (the weight is never rounded; the same order of operations as the Triton
+  kernel's `SCALE_AFTER` form).
+- Where the row blocks alone give too few programs, K is split; each split writes an fp32
+  partial, and the split that arrives last at its row block's counter adds them up and
+  writes the result (the Triton kernel's scheme and counters).
+
+Reference: `groupwise_gemv.groupwise_linear`. Loop cost and timings: bench/decode_kernels.md,
+"The q4 product at eight rows in Gluon".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ninfer.kernels.pdl_triton import pdl_options
+from ninfer.kernels.triton_support import num_sms
+from ninfer.quant import EncodedTensor
+
+try:  # Gluon's Hopper modules (Triton 3.5 and later)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - an older Triton: the Triton kernel serves instead
+    gluon = None
+
+GROUP = 64
+MAX_ROWS = 8
+# Groups of 64 columns per tile.
+GROUPS = 8
+# (rows per program, ring slots, programs per SM that K is split for) where a product is not
+# listed: 64 rows and 3 slots (75 KB of shared memory, three programs an SM) were the fastest
+# of seven settings at the 27B out projections and GDN in projection on the GPU machine, and
+# two programs per SM the best split (bench/decode_kernels.md, "The q4 product at eight rows
+# in Gluon").
+BLOCK_N, STAGES, PROGRAMS_PER_SM = 64, 3, 2
+# ... and the products whose fastest setting differs, per device: (N, K) -> setting.
+TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
+    "NVIDIA H200": {
+        (34816, 5120): (64, 2, 2),  # 27B MLP gate|up: 36.3 -> 32.3 us at eight rows
+        (5120, 17408): (64, 4, 2),  # 27B MLP down: 19.5 -> 18.7 us
+        (12288, 5120): (64, 4, 2),  # 27B attention q|gate: 13.6 -> 13.3 us
+        (9216, 2048): (64, 2, 2),  # 35B-A3B attention q|gate|k|v: 9.7 -> 7.8 us
+    },
+}
+# The first tiles' codes and scales are asked for before the PDL wait.
+WEIGHTS_BEFORE_WAIT = True
+
+if gluon is not None:
+    _GROUP = gl.constexpr(GROUP)
+    _PAIRS_PTX = gl.constexpr(
+        """
+{
+.reg .b32 t1, t2, t3;
+.reg .b32 p0, p1, p2, p3, bias;
+mov.b32 bias, 0x43084308;
+shr.u32 t1, $4, 4;
+shr.u32 t2, $4, 8;
+shr.u32 t3, $4, 12;
+lop3.b32 p0, $4, 0x000F000F, 0x43084308, 0x6a;
+lop3.b32 p1, t1, 0x000F000F, 0x43084308, 0x6a;
+lop3.b32 p2, t2, 0x000F000F, 0x43084308, 0x6a;
+lop3.b32 p3, t3, 0x000F000F, 0x43084308, 0x6a;
+sub.rn.bf16x2 $0, p0, bias;
+sub.rn.bf16x2 $1, p1, bias;
+sub.rn.bf16x2 $2, p2, bias;
+sub.rn.bf16x2 $3, p3, bias;
+}
+"""
+    )
+
+    @gluon.jit
+    def _await_inputs(PDL: gl.constexpr):
+        """`pdl_triton.await_inputs` for a Gluon kernel."""
+        if PDL:
+            gl.inline_asm_elementwise(
+                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+            )
+            gl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; // $0",
+                "=r",
+                [],
+                dtype=gl.int32,
+                is_pure=False,
+                pack=1,
+            )
+
+    @gluon.jit
+    def _bf16_pair(word):
+        """An int32 tensor's two halves as bf16 values: [..., 2] (low half first)."""
+        both = gl.join(word, word)
+        return gl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r,r", [both], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+
+    @gluon.jit
+    def _weight_operand(words, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
+        """Code words [BN, 8] of one group (thread t of a row quad holds words 2t + h) to the
+        group's exact integer codes [BN, 64] in the MMA's A operand layout. Operand column
+        32h + 16q1 + 8q0 + 2t + e holds word 2t + h's value q + 4e (q = 2q1 + q0), i.e.
+        column 16t + 8h + 4e + 2q1 + q0 of the group (`_x_operand` reads x by the same map)."""
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(
+            _PAIRS_PTX,
+            "=r,=r,=r,=r,r",
+            [words],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        low = gl.join(_bf16_pair(p0), _bf16_pair(p1))  # [BN, 8, e, q0], q1 = 0
+        high = gl.join(_bf16_pair(p2), _bf16_pair(p3))
+        values = gl.join(low, high)  # [BN, 8, e, q0, q1]
+        values = gl.reshape(values, [BN, 2, 2, 2, 2, 2, 2])  # [BN, t1, t0, h, e, q0, q1]
+        values = gl.permute(values, [0, 3, 6, 5, 1, 2, 4])  # [BN, h, q1, q0, t1, t0, e]
+        values = gl.reshape(values, [BN, _GROUP])
+        return gl.convert_layout(values, A_LAYOUT, assert_trivial=True)
+
+    @gluon.jit
+    def _x_operand(x, B_LAYOUT: gl.constexpr):
+        """x's group [8, 64] (thread t of a row quad holds columns 16t .. 16t + 15) as the MMA's
+        B operand [64, 8], its columns permuted as `_weight_operand`'s."""
+        x = gl.reshape(x, [8, 2, 2, 2, 2, 2, 2])  # [8, t1, t0, h, e, q1, q0]
+        x = gl.permute(x, [0, 3, 5, 6, 1, 2, 4])  # [8, h, q1, q0, t1, t0, e]
+        x = gl.permute(gl.reshape(x, [8, _GROUP]), [1, 0])
+        return gl.convert_layout(x, B_LAYOUT, assert_trivial=True)
+
+    @gluon.jit
+    def _column(values, g: gl.constexpr):
+        """Column g of a [rows, 8] tensor whose columns are all in each thread's registers."""
+        values = gl.reshape(values, [values.shape[0], 2, 2, 2])  # column 4a + 2b + c
+        low, high = gl.split(values)
+        values = high if g % 2 == 1 else low
+        low, high = gl.split(values)
+        values = high if (g // 2) % 2 == 1 else low
+        low, high = gl.split(values)
+        return high if g // 4 == 1 else low
+
+    @gluon.jit
+    def _issue_tile(
+        x_desc,
+        w_desc,
+        s_desc,
+        tile,
+        n0,
+        bar,
+        x_slot,
+        w_slot,
+        s_slot,
+        pred,
+        GROUPS: gl.constexpr,
+        WEIGHTS: gl.constexpr,
+        X: gl.constexpr,
+    ):
+        if WEIGHTS:
+            tma.async_copy_global_to_shared(w_desc, [tile * GROUPS, n0, 0], bar, w_slot, pred=pred)
+            tma.async_copy_global_to_shared(s_desc, [n0, tile * GROUPS], bar, s_slot, pred=pred)
+        if X:
+            tma.async_copy_global_to_shared(x_desc, [tile * GROUPS, 0, 0], bar, x_slot, pred=pred)
+
+    @gluon.jit
+    def _q4_tc_kernel(
+        x_desc,
+        w_desc,
+        s_desc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        M,
+        N,
+        tiles_per_split,
+        num_tiles,
+        BN: gl.constexpr,
+        GROUPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+        WEIGHTS_FIRST: gl.constexpr,
+        PDL: gl.constexpr,
+    ):
+        """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
+        program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
+        n's counter (then reset by it) adds the partials up and writes out."""
+        R: gl.constexpr = BN // 64  # 16-row blocks per warp
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
+        )
+        A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROWS_REG: gl.constexpr = [[8, 0]] + ([[64, 0]] if R == 2 else [])
+        ROWS_LANE: gl.constexpr = [[1, 0], [2, 0], [4, 0]]
+        ROWS_WARP: gl.constexpr = [[16, 0], [32, 0]]
+        # a group's words: row g (+ 8, + 64) of a quad's lane 4g + t holds words 2t, 2t + 1
+        W_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1]] + ROWS_REG,
+            lane_bases=[[0, 2], [0, 4]] + ROWS_LANE,
+            warp_bases=ROWS_WARP,
+            block_bases=[],
+            shape=[BN, 8],
+        )
+        # a tile's scales: every group of the thread's rows
+        S_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4]] + ROWS_REG,
+            lane_bases=[[0, 0], [0, 0]] + ROWS_LANE,
+            warp_bases=ROWS_WARP,
+            block_bases=[],
+            shape=[BN, 8],
+        )
+        # x's group: lane 4g + t holds x row g's columns 16t .. 16t + 15, in every warp
+        X_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[0, 0], [0, 0]],
+            block_bases=[],
+            shape=[8, _GROUP],
+        )
+        X_SHARED: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2
+        )
+        W_SHARED: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=0, element_bitwidth=32, rank=2
+        )
+        gl.static_assert(GROUPS == 8)
+
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        n0 = pid_n * BN
+        first = split * tiles_per_split
+        count = gl.minimum(num_tiles - first, tiles_per_split)
+
+        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout)
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
+        s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        nbytes: gl.constexpr = (
+            x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        )
+        for i in gl.static_range(STAGES - 1):
+            mbarrier.expect(ready.index(i), nbytes, pred=i < count)
+            _issue_tile(
+                x_desc,
+                w_desc,
+                s_desc,
+                first + i,
+                n0,
+                ready.index(i),
+                x_ring.index(i),
+                w_ring.index(i),
+                s_ring.index(i),
+                i < count,
+                GROUPS,
+                True,
+                not WEIGHTS_FIRST,
+            )
+        _await_inputs(PDL)
+        if WEIGHTS_FIRST:
+            for i in gl.static_range(STAGES - 1):
+                _issue_tile(
+                    x_desc,
+                    w_desc,
+                    s_desc,
+                    first + i,
+                    n0,
+                    ready.index(i),
+                    x_ring.index(i),
+                    w_ring.index(i),
+                    s_ring.index(i),
+                    i < count,
+                    GROUPS,
+                    False,
+                    True,
+                )
+
+        acc = gl.zeros([BN, 8], gl.float32, MMA)
+        for j in range(count):
+            # refill the slot every warp finished reading a turn ago
+            ahead = j + STAGES - 1
+            slot_ahead = ahead % STAGES
+            gl.thread_barrier()
+            fence_async_shared()
+            mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
+            _issue_tile(
+                x_desc,
+                w_desc,
+                s_desc,
+                first + ahead,
+                n0,
+                ready.index(slot_ahead),
+                x_ring.index(slot_ahead),
+                w_ring.index(slot_ahead),
+                s_ring.index(slot_ahead),
+                ahead < count,
+                GROUPS,
+                True,
+                True,
+            )
+
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            xs = x_ring.index(slot)._reinterpret(gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
+            ws = w_ring.index(slot)._reinterpret(gl.int32, [GROUPS * BN, 8], W_SHARED)
+            scales = s_ring.index(slot).load(S_LAYOUT).to(gl.float32)
+            for g in gl.static_range(GROUPS):
+                a = _weight_operand(ws.slice(g * BN, BN).load(W_LAYOUT), BN, A_LAYOUT)
+                b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
+                product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
+                scale = gl.convert_layout(
+                    _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
+                )
+                acc = acc + product * gl.expand_dims(scale, 1)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+        rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        x_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
+        mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
+        if SPLIT_K:
+            splits = gl.num_programs(1)
+            gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
+            gl.thread_barrier()  # every thread's partial is written before the arrival counts
+            counter = counters_ptr + pid_n
+            if gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                total = gl.zeros([BN, 8], gl.float32, MMA)
+                for s in range(0, splits):
+                    # .cg reads from L2, where the other programs' partials are
+                    total += gl.load(
+                        partial_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
+                gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
+                gl.atomic_xchg(counter, 0)
+        else:  # the result, or (split-K without counters) this split's partial
+            gl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
+    """Whether `q4_linear` takes this product: q4_g64 weights, 2..8 bf16 x rows on a Hopper or
+    later GPU, K a multiple of 512 (TMA needs the scales' rows 16-byte aligned) and every
+    plane and x aligned for TMA."""
+    if gluon is None or weight.format != "q4_g64_fp16" or x.dtype != torch.bfloat16:
+        return False
+    if not (x.is_cuda and 2 <= x.shape[0] <= MAX_ROWS and x.dim() == 2):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if not _hopper(index):
+        return False
+    codes, scales = weight.planes["codes"], weight.planes["scales"]
+    k = weight.shape[-1]
+    return (
+        k % (GROUP * GROUPS) == 0
+        and x.shape[1] == k == codes.shape[-1] * 2
+        and x.stride(-1) == 1
+        and x.stride(0) % 8 == 0
+        and codes.stride(-1) == 1
+        and codes.stride(0) % 16 == 0
+        and scales.stride(-1) == 1
+        and scales.stride(0) % 8 == 0
+        and all(t.data_ptr() % 16 == 0 for t in (x, codes, scales))
+    )
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def _config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(rows per program, ring slots, programs per SM that K is split for): TUNED's for a
+    listed product on the device, else the defaults."""
+    name = _device_name(device) if device.type == "cuda" else ""
+    return TUNED.get(name, {}).get((n, k), (BLOCK_N, STAGES, PROGRAMS_PER_SM))
+
+
+def _descriptors(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_n: int):
+    """TMA descriptors: x as [K/64, M, 64] (a tile: GROUPS groups of 8 rows, 128-byte swizzle),
+    the codes as int32 words [K/64, N, 8] (GROUPS groups of block_n rows), the scales [N, K/64]
+    (block_n rows of GROUPS). Rows past M or N read as zeros."""
+    m, k = x.shape
+    n = codes.shape[0]
+    x3 = x.as_strided((k // GROUP, m, GROUP), (GROUP, x.stride(0), 1))
+    words = codes.view(torch.int32)
+    w3 = words.as_strided((k // GROUP, n, 8), (8, words.stride(0), 1))
+    return (
+        TensorDescriptor(
+            x3,
+            list(x3.shape),
+            list(x3.stride()),
+            [GROUPS, 8, GROUP],
+            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3),
+        ),
+        TensorDescriptor(
+            w3,
+            list(w3.shape),
+            list(w3.stride()),
+            [GROUPS, block_n, 8],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3),
+        ),
+        TensorDescriptor(
+            scales,
+            list(scales.shape),
+            list(scales.stride()),
+            [block_n, GROUPS],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2),
+        ),
+    )
+
+
+def q4_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits` checked: [M, N] bf16."""
+    from ninfer.kernels.groupwise_gemv_triton import tile_counters
+
+    codes, scales = weight.planes["codes"], weight.planes["scales"]
+    m, k = x.shape
+    n = weight.shape[0]
+    num_tiles = k // (GROUP * GROUPS)
+    block_n, stages, per_sm = _config(n, k, x.device)
+    blocks = triton.cdiv(n, block_n)
+    splits = max(1, min(num_tiles, round(per_sm * num_sms(x.device) / blocks)))
+    per_split = triton.cdiv(num_tiles, splits)
+    splits = triton.cdiv(num_tiles, per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    counters = tile_counters(x.device, blocks) if splits > 1 else None
+    partial = out
+    if splits > 1:
+        partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _q4_tc_kernel[(blocks, splits)](
+        *_descriptors(x, codes, scales, block_n),
+        partial if splits > 1 and counters is None else out,
+        partial,
+        counters if counters is not None else out,
+        m,
+        n,
+        per_split,
+        num_tiles,
+        BN=block_n,
+        GROUPS=GROUPS,
+        STAGES=stages,
+        SPLIT_K=counters is not None,
+        WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
+        num_warps=4,
+        **pdl_options(x.device),
+    )
+    if splits > 1 and counters is None:
+        return partial.sum(dim=0).to(x.dtype)
+    return out

@@ -1,0 +1,99 @@
+"""The q4 tensor-core product for two to eight x rows in Gluon (`groupwise_gemv_gluon`) on the
+GPU: within the bf16 rounding of its output of the fp32 product of the dequantized weight, at
+the 27B and 35B-A3B widths, with K split or not, row counts that do not fill a block, with and
+without PDL and split-K counters; and the dispatch sending these products to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import check_groupwise_linear, relative_error
+
+from ninfer.quant import get_format
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+pytest.importorskip("triton")
+Q4 = "q4_g64_fp16"
+
+
+def _counting(monkeypatch):
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    calls = []
+    real = groupwise_gemv_gluon.q4_linear
+
+    def counted(x, weight):
+        calls.append(tuple(x.shape))
+        return real(x, weight)
+
+    monkeypatch.setattr(groupwise_gemv_gluon, "q4_linear", counted)
+    return calls
+
+
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(34816, 5120), (5120, 17408), (5120, 6144), (2048, 4096), (1000, 512), (70, 1024)],
+    ids=str,
+)
+def test_gluon_q4_product(monkeypatch, n, k, m):
+    from ninfer.kernels import groupwise_gemv_triton
+
+    calls = _counting(monkeypatch)
+    torch.manual_seed(m)
+    check_groupwise_linear(groupwise_gemv_triton, Q4, m, n, k, torch.bfloat16, "cuda", 4e-3)
+    assert calls == [(m, k)]
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("counters", [True, False], ids=["counters", "torch sum"])
+def test_gluon_q4_product_split_forms(monkeypatch, pdl, counters):
+    """K split with the last split adding up (counters) or torch summing the partials (no
+    counters, as inside a graph capture that would have to allocate them), PDL on and off,
+    and weights asked for before the wait or after it: all the same result."""
+    from ninfer.kernels import groupwise_gemv_gluon, groupwise_gemv_triton
+
+    monkeypatch.setenv("NINFER_PDL", pdl)
+    if not counters:
+        monkeypatch.setattr(groupwise_gemv_triton, "tile_counters", lambda device, needed: None)
+    torch.manual_seed(3)
+    weight = get_format(Q4).encode(torch.randn(5120, 17408, device="cuda") * 0.05)
+    x = torch.randn(7, 17408, device="cuda").to(torch.bfloat16)
+    exact = x.float() @ weight.decode(torch.float32).T
+    outs = []
+    for first in (True, False):
+        monkeypatch.setattr(groupwise_gemv_gluon, "WEIGHTS_BEFORE_WAIT", first)
+        outs.append(groupwise_gemv_gluon.q4_linear(x, weight))
+        assert relative_error(outs[-1], exact) < 4e-3
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_gluon_q4_product_repeats_exactly_and_leaves_counters_reset():
+    """The split-K counters are reset by the last split: a second call gives the same bits."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    torch.manual_seed(4)
+    weight = get_format(Q4).encode(torch.randn(2048, 4096, device="cuda") * 0.05)
+    x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
+    first = groupwise_gemv_gluon.q4_linear(x, weight)
+    for _ in range(3):
+        assert torch.equal(groupwise_gemv_gluon.q4_linear(x, weight), first)
+
+
+def test_gluon_q4_product_takes_only_what_fits():
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    weight = get_format(Q4).encode(torch.randn(256, 1024, device="cuda") * 0.05)
+    x = torch.randn(8, 1024, device="cuda").to(torch.bfloat16)
+    assert groupwise_gemv_gluon.fits(x, weight)
+    assert not groupwise_gemv_gluon.fits(x[:1], weight)  # one row: the integer GEMV
+    assert not groupwise_gemv_gluon.fits(torch.randn(9, 1024, device="cuda").bfloat16(), weight)
+    assert not groupwise_gemv_gluon.fits(x.half(), weight)
+    assert not groupwise_gemv_gluon.fits(x[:, 1:], weight)  # misaligned, and K no longer fits
+    short = get_format(Q4).encode(torch.randn(256, 960, device="cuda") * 0.05)
+    assert not groupwise_gemv_gluon.fits(x[:, :960], short)  # K not a multiple of 512
+    q8 = get_format("q8_g32_fp16").encode(torch.randn(256, 1024, device="cuda") * 0.05)
+    assert not groupwise_gemv_gluon.fits(x, q8)
