@@ -71,11 +71,33 @@ TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
         (9216, 2048): (64, 2, 2),  # 35B-A3B attention q|gate|k|v: 9.7 -> 7.8 us
     },
 }
+# The dims a group's values are permuted by on their way into the operands, from
+# [rows, t1, t0, h, e, q0, q1] (the weight's) and [rows, t1, t0, h, e, q1, q0] (x's) to
+# [rows, h, q1, q0, t1, t0, e]: operand column 32h + 16q1 + 8q0 + 2t + e is the group's column
+# 16t + 8h + 4e + q (t = 2t1 + t0, q = 2q1 + q0) on both sides.
+WEIGHT_ORDER = (0, 3, 6, 5, 1, 2, 4)
+X_ORDER = (0, 3, 5, 6, 1, 2, 4)
 # The first tiles' codes and scales are asked for before the PDL wait.
 WEIGHTS_BEFORE_WAIT = True
 
 if gluon is not None:
     _GROUP = gl.constexpr(GROUP)
+    # TMA's global-to-shared copy: `async_load` since Triton 3.7, the older name before
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a barrier of the program's threads: `barrier` since Triton 3.7, `thread_barrier` before
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # shared memory viewed as another shape: `reinterpret` since Triton 3.7, `_reinterpret` before
+    _OLD_SHARED_VIEW = gl.constexpr(hasattr(gl.shared_memory_descriptor, "_reinterpret"))
+
+    @gluon.jit
+    def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        if _OLD_SHARED_VIEW:
+            return smem._reinterpret(dtype, shape, layout)
+        else:
+            return smem.reinterpret(dtype, shape, layout)
+
+    _WEIGHT_ORDER = gl.constexpr(WEIGHT_ORDER)
+    _X_ORDER = gl.constexpr(X_ORDER)
     _PAIRS_PTX = gl.constexpr(
         """
 {
@@ -139,7 +161,7 @@ sub.rn.bf16x2 $3, p3, bias;
         high = gl.join(_bf16_pair(p2), _bf16_pair(p3))
         values = gl.join(low, high)  # [BN, 8, e, q0, q1]
         values = gl.reshape(values, [BN, 2, 2, 2, 2, 2, 2])  # [BN, t1, t0, h, e, q0, q1]
-        values = gl.permute(values, [0, 3, 6, 5, 1, 2, 4])  # [BN, h, q1, q0, t1, t0, e]
+        values = gl.permute(values, _WEIGHT_ORDER.value)  # [BN, h, q1, q0, t1, t0, e]
         values = gl.reshape(values, [BN, _GROUP])
         return gl.convert_layout(values, A_LAYOUT, assert_trivial=True)
 
@@ -148,7 +170,7 @@ sub.rn.bf16x2 $3, p3, bias;
         """x's group [8, 64] (thread t of a row quad holds columns 16t .. 16t + 15) as the MMA's
         B operand [64, 8], its columns permuted as `_weight_operand`'s."""
         x = gl.reshape(x, [8, 2, 2, 2, 2, 2, 2])  # [8, t1, t0, h, e, q1, q0]
-        x = gl.permute(x, [0, 3, 5, 6, 1, 2, 4])  # [8, h, q1, q0, t1, t0, e]
+        x = gl.permute(x, _X_ORDER.value)  # [8, h, q1, q0, t1, t0, e]
         x = gl.permute(gl.reshape(x, [8, _GROUP]), [1, 0])
         return gl.convert_layout(x, B_LAYOUT, assert_trivial=True)
 
@@ -180,10 +202,10 @@ sub.rn.bf16x2 $3, p3, bias;
         X: gl.constexpr,
     ):
         if WEIGHTS:
-            tma.async_copy_global_to_shared(w_desc, [tile * GROUPS, n0, 0], bar, w_slot, pred=pred)
-            tma.async_copy_global_to_shared(s_desc, [n0, tile * GROUPS], bar, s_slot, pred=pred)
+            _tma_load(w_desc, [tile * GROUPS, n0, 0], bar, w_slot, pred=pred)
+            _tma_load(s_desc, [n0, tile * GROUPS], bar, s_slot, pred=pred)
         if X:
-            tma.async_copy_global_to_shared(x_desc, [tile * GROUPS, 0, 0], bar, x_slot, pred=pred)
+            _tma_load(x_desc, [tile * GROUPS, 0, 0], bar, x_slot, pred=pred)
 
     @gluon.jit
     def _q4_tc_kernel(
@@ -304,7 +326,7 @@ sub.rn.bf16x2 $3, p3, bias;
             # refill the slot every warp finished reading a turn ago
             ahead = j + STAGES - 1
             slot_ahead = ahead % STAGES
-            gl.thread_barrier()
+            _barrier()
             fence_async_shared()
             mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
             _issue_tile(
@@ -325,8 +347,8 @@ sub.rn.bf16x2 $3, p3, bias;
 
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            xs = x_ring.index(slot)._reinterpret(gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
-            ws = w_ring.index(slot)._reinterpret(gl.int32, [GROUPS * BN, 8], W_SHARED)
+            xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
+            ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
             scales = s_ring.index(slot).load(S_LAYOUT).to(gl.float32)
             for g in gl.static_range(GROUPS):
                 a = _weight_operand(ws.slice(g * BN, BN).load(W_LAYOUT), BN, A_LAYOUT)
@@ -346,7 +368,7 @@ sub.rn.bf16x2 $3, p3, bias;
         if SPLIT_K:
             splits = gl.num_programs(1)
             gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
-            gl.thread_barrier()  # every thread's partial is written before the arrival counts
+            _barrier()  # every thread's partial is written before the arrival counts
             counter = counters_ptr + pid_n
             if gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
                 total = gl.zeros([BN, 8], gl.float32, MMA)

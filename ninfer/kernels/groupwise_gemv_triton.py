@@ -25,7 +25,9 @@ planes and never leave registers as floats. Two kernels:
   program that reads its rows in one step asks for its codes and scales before it waits for
   the kernel before it (`INT_WEIGHTS_BEFORE_WAIT`), so that their memory round trip overlaps
   that kernel instead of following it.
-- more x rows (x padded to 16 rows), on the tensor cores. By default (`TC_SCALE_AFTER`) each
+- more x rows (x padded to 16 rows), on the tensor cores; a q4 product with two to eight bf16
+  rows on Hopper goes to the Gluon kernel instead where it fits (`groupwise_gemv_gluon`,
+  1.25-1.5x faster at the 27B products). By default (`TC_SCALE_AFTER`) each
   group's codes enter the product as exact integers in x's dtype (q4 with bf16 x through inline
   PTX, three instructions per two values) and each group's product is multiplied by its scale
   in fp32, so the weight is never rounded; the tile's scales come in one load, which the

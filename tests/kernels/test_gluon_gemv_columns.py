@@ -1,0 +1,37 @@
+"""The column map of the Gluon q4 product (`groupwise_gemv_gluon`), which the GPU cannot be
+asked about in CI: the permutations that carry a group's dequantized codes and x's values into
+the MMA operands give every operand column the same column of the group on both sides, and
+each operand column is held by the thread of the m16n8k16 fragment that holds it (column
+2t + e + 8p + 16c by thread t of a row quad), which loaded that column."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.kernels.groupwise_gemv_gluon import GROUP, WEIGHT_ORDER, X_ORDER
+
+
+def _weight_columns() -> torch.Tensor:
+    """The group column of each operand position on the weight's side: word w (thread t's
+    words 2t + h) holds columns 8w .. 8w + 7, and its pair q (q0 + 2 q1) gives values q and
+    q + 4 (e), in the join order of `_weight_operand`: [word, e, q0, q1]."""
+    w, e, q0, q1 = torch.meshgrid(*(torch.arange(n) for n in (8, 2, 2, 2)), indexing="ij")
+    columns = 8 * w + (2 * q1 + q0) + 4 * e
+    return columns.reshape(1, 2, 2, 2, 2, 2, 2).permute(WEIGHT_ORDER).reshape(GROUP)
+
+
+def _x_columns() -> torch.Tensor:
+    """... and on x's side: thread t holds columns 16t .. 16t + 15 in order."""
+    return torch.arange(GROUP).reshape(1, 2, 2, 2, 2, 2, 2).permute(X_ORDER).reshape(GROUP)
+
+
+def test_both_operands_read_the_same_group_column_at_each_position():
+    weight, x = _weight_columns(), _x_columns()
+    assert torch.equal(weight, x)
+    assert sorted(weight.tolist()) == list(range(GROUP))  # every column once
+
+
+def test_each_operand_column_is_one_its_thread_loaded():
+    positions = torch.arange(GROUP)
+    fragment_thread = (positions // 2) % 4  # operand column 2t + e + 8p + 16c
+    assert torch.equal(_weight_columns() // 16, fragment_thread)
