@@ -187,25 +187,19 @@ sub.rn.bf16x2 $3, p3, bias;
 
     @gluon.jit
     def _issue_tile(
-        x_desc,
-        w_desc,
-        s_desc,
-        tile,
-        n0,
-        bar,
-        x_slot,
-        w_slot,
-        s_slot,
-        pred,
-        GROUPS: gl.constexpr,
-        WEIGHTS: gl.constexpr,
-        X: gl.constexpr,
+        descs, rings, ready, slot, tile, n0, pred, WEIGHTS: gl.constexpr, X: gl.constexpr
     ):
+        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS) and x's tile (X) into ring
+        slot `slot`, counted by its mbarrier."""
+        x_desc, w_desc, s_desc = descs
+        x_ring, w_ring, s_ring = rings
+        groups: gl.constexpr = w_desc.block_type.shape[0]
+        bar = ready.index(slot)
         if WEIGHTS:
-            _tma_load(w_desc, [tile * GROUPS, n0, 0], bar, w_slot, pred=pred)
-            _tma_load(s_desc, [n0, tile * GROUPS], bar, s_slot, pred=pred)
+            _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
+            _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
         if X:
-            _tma_load(x_desc, [tile * GROUPS, 0, 0], bar, x_slot, pred=pred)
+            _tma_load(x_desc, [tile * groups, 0, 0], bar, x_ring.index(slot), pred=pred)
 
     @gluon.jit
     def _q4_tc_kernel(
@@ -282,44 +276,18 @@ sub.rn.bf16x2 $3, p3, bias;
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
+        descs = (x_desc, w_desc, s_desc)
+        rings = (x_ring, w_ring, s_ring)
         nbytes: gl.constexpr = (
             x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
         )
         for i in gl.static_range(STAGES - 1):
             mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-            _issue_tile(
-                x_desc,
-                w_desc,
-                s_desc,
-                first + i,
-                n0,
-                ready.index(i),
-                x_ring.index(i),
-                w_ring.index(i),
-                s_ring.index(i),
-                i < count,
-                GROUPS,
-                True,
-                not WEIGHTS_FIRST,
-            )
+            _issue_tile(descs, rings, ready, i, first + i, n0, i < count, True, not WEIGHTS_FIRST)
         _await_inputs(PDL)
         if WEIGHTS_FIRST:
             for i in gl.static_range(STAGES - 1):
-                _issue_tile(
-                    x_desc,
-                    w_desc,
-                    s_desc,
-                    first + i,
-                    n0,
-                    ready.index(i),
-                    x_ring.index(i),
-                    w_ring.index(i),
-                    s_ring.index(i),
-                    i < count,
-                    GROUPS,
-                    False,
-                    True,
-                )
+                _issue_tile(descs, rings, ready, i, first + i, n0, i < count, False, True)
 
         acc = gl.zeros([BN, 8], gl.float32, MMA)
         for j in range(count):
@@ -330,19 +298,7 @@ sub.rn.bf16x2 $3, p3, bias;
             fence_async_shared()
             mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
             _issue_tile(
-                x_desc,
-                w_desc,
-                s_desc,
-                first + ahead,
-                n0,
-                ready.index(slot_ahead),
-                x_ring.index(slot_ahead),
-                w_ring.index(slot_ahead),
-                s_ring.index(slot_ahead),
-                ahead < count,
-                GROUPS,
-                True,
-                True,
+                descs, rings, ready, slot_ahead, first + ahead, n0, ahead < count, True, True
             )
 
             slot = j % STAGES
