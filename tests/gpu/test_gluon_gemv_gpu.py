@@ -97,3 +97,17 @@ def test_gluon_q4_product_takes_only_what_fits():
     assert not groupwise_gemv_gluon.fits(x[:, :960], short)  # K not a multiple of 512
     q8 = get_format("q8_g32_fp16").encode(torch.randn(256, 1024, device="cuda") * 0.05)
     assert not groupwise_gemv_gluon.fits(x, q8)
+
+
+@pytest.mark.parametrize("setting", [(64, 2, 2), (64, 4, 3), (128, 3, 1)])
+@pytest.mark.parametrize(("n", "k"), [(34816, 5120), (5120, 17408), (200, 1024)], ids=str)
+def test_gluon_q4_product_at_every_setting(monkeypatch, setting, n, k):
+    """Rows per program (16 or 32 a warp), ring slots and split, as a TUNED entry or the
+    defaults may give them."""
+    from ninfer.kernels import groupwise_gemv_gluon, groupwise_gemv_triton
+
+    monkeypatch.setattr(groupwise_gemv_gluon, "TUNED", {})
+    for name, value in zip(("BLOCK_N", "STAGES", "PROGRAMS_PER_SM"), setting):
+        monkeypatch.setattr(groupwise_gemv_gluon, name, value)
+    torch.manual_seed(5)
+    check_groupwise_linear(groupwise_gemv_triton, Q4, 6, n, k, torch.bfloat16, "cuda", 4e-3)
