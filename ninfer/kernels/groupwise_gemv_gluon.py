@@ -43,7 +43,7 @@ from ninfer.kernels.pdl_triton import pdl_options
 from ninfer.kernels.triton_support import num_sms
 from ninfer.quant import EncodedTensor
 
-try:  # Gluon's Hopper modules (Triton 3.5 and later)
+try:  # Gluon's Hopper modules (Triton 3.6 and 3.9 are the versions checked)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2

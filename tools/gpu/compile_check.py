@@ -174,15 +174,15 @@ def cases():
     from ninfer.kernels.x_split import SplitRequest
     from ninfer.quant import EncodedTensor, get_format
 
+    cpu, q4, q8 = "cpu", "q4_g64_fp16", "q8_g32_fp16"
+    split = SplitRequest.for_format(q4)
+
     def gluon_q4(m: int, n: int, k: int) -> None:
         # `fits` takes CUDA tensors only; the kernel's own conditions hold at these shapes
         from ninfer.kernels import groupwise_gemv_gluon
 
         weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
         groupwise_gemv_gluon.q4_linear(torch.randn(m, k, dtype=BF16), weight)
-
-    cpu, q4, q8 = "cpu", "q4_g64_fp16", "q8_g32_fp16"
-    split = SplitRequest.for_format(q4)
 
     def x_split_producers():
         x = torch.randn(1, 5120, dtype=BF16)
