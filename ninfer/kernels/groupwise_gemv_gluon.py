@@ -283,11 +283,11 @@ sub.rn.bf16x2 $3, p3, bias;
         )
         for i in gl.static_range(STAGES - 1):
             mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-            _issue_tile(descs, rings, ready, i, first + i, n0, i < count, True, not WEIGHTS_FIRST)
+            if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
+                _issue_tile(descs, rings, ready, i, first + i, n0, i < count, True, False)
         _await_inputs(PDL)
-        if WEIGHTS_FIRST:
-            for i in gl.static_range(STAGES - 1):
-                _issue_tile(descs, rings, ready, i, first + i, n0, i < count, False, True)
+        for i in gl.static_range(STAGES - 1):
+            _issue_tile(descs, rings, ready, i, first + i, n0, i < count, not WEIGHTS_FIRST, True)
 
         acc = gl.zeros([BN, 8], gl.float32, MMA)
         for j in range(count):

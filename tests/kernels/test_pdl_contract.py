@@ -147,3 +147,39 @@ def test_options_off_on_the_cpu_and_when_disabled(monkeypatch):
     assert pdl_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv("NINFER_PDL", "0")
     assert pdl_options(torch.device("cuda", 0)) == {"PDL": False}
+
+
+def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
+    """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way: before its
+    top-level `_await_inputs(PDL)` it only asks TMA for codes and scales (an `_issue_tile`
+    whose x flag, the last argument, is False), which no kernel writes; x's tiles, the loop and
+    every store come after the wait. Its launch passes `pdl_options`."""
+    source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
+    tree = ast.parse(source)
+    (kernel,) = [fn for fn in _jit_kernels(tree) if fn.name == "_q4_tc_kernel"]
+    assert "PDL" in [a.arg for a in kernel.args.args]
+    waits = [
+        i
+        for i, statement in enumerate(kernel.body)
+        if ast.unparse(statement) == "_await_inputs(PDL)"
+    ]
+    assert len(waits) == 1, "one top-level wait"
+    before = kernel.body[: waits[0]]
+    issues = [
+        node
+        for statement in before
+        for node in ast.walk(statement)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_issue_tile"
+    ]
+    assert issues, "the weights are asked for before the wait"
+    for call in issues:
+        assert ast.unparse(call.args[-1]) == "False", ast.unparse(call)
+    called = [
+        ast.unparse(node.func)
+        for statement in before
+        for node in ast.walk(statement)
+        if isinstance(node, ast.Call)
+    ]
+    assert not [name for name in called if name.startswith("gl.atomic") or name == "gl.store"]
+    assert "range(count)" not in "".join(map(ast.unparse, before)), "the loop after the wait"
+    assert "**pdl_options(x.device)" in source
