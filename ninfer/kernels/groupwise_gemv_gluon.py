@@ -40,7 +40,7 @@ import torch
 import triton
 
 from ninfer.kernels.pdl_triton import pdl_options
-from ninfer.kernels.triton_support import num_sms
+from ninfer.kernels.triton_support import device_name, num_sms
 from ninfer.quant import EncodedTensor
 
 try:  # Gluon's Hopper modules (Triton 3.6 and 3.9 are the versions checked)
@@ -370,15 +370,10 @@ def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
     )
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
 def _config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(rows per program, ring slots, programs per SM that K is split for): TUNED's for a
     listed product on the device, else the defaults."""
-    name = _device_name(device) if device.type == "cuda" else ""
+    name = device_name(device) if device.type == "cuda" else ""
     return TUNED.get(name, {}).get((n, k), (BLOCK_N, STAGES, PROGRAMS_PER_SM))
 
 

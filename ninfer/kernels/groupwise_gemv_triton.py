@@ -47,7 +47,6 @@ Reference: `groupwise_gemv.groupwise_linear`.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -56,7 +55,7 @@ import triton.language as tl
 
 from ninfer.kernels import groupwise_gemv_gluon
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
-from ninfer.kernels.triton_support import next_power_of_2, num_sms
+from ninfer.kernels.triton_support import device_name, next_power_of_2, num_sms
 from ninfer.kernels.x_split import (
     INT_FORMATS,
     INT_MAX_ROWS,
@@ -1036,7 +1035,7 @@ def _int_config(
     INT_BLOCK_N rows, halved while the grid would not give every SM INT_MIN_PROGRAMS_PER_SM
     programs, and INT_STEP_WORDS spread over them; INT_WARPS warps where not listed."""
     if device.type == "cuda":
-        tuned = INT_TUNED.get(_device_name(device), {}).get((bits, num_rows, row_words, out_cols))
+        tuned = INT_TUNED.get(device_name(device), {}).get((bits, num_rows, row_words, out_cols))
         if tuned is not None:
             return tuned
     if row_words <= INT_SHORT_ROW_WORDS:
@@ -1047,11 +1046,6 @@ def _int_config(
     while block_n > 4 and triton.cdiv(num_rows, block_n) * out_cols < INT_MIN_PROGRAMS_PER_SM * sms:
         block_n //= 2
     return block_n, max(8, INT_STEP_WORDS // block_n), INT_WARPS
-
-
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
 
 
 def _int_linear(

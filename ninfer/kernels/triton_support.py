@@ -3,6 +3,7 @@ The CPU build of torch ships without Triton, so everything here must import with
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -22,3 +23,9 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter on CPU: any small number keeps grids tiny
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name, which per-device tuned settings are keyed by."""
+    return torch.cuda.get_device_name(device)

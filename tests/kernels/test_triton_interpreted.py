@@ -294,7 +294,7 @@ def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, m
     module = interpreted("groupwise_gemv_triton")
     cuda = torch.device("cuda")
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
-    monkeypatch.setattr(module, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(module, "device_name", lambda device: "NVIDIA H200")
     assert module._int_config(16384, 640, 1, cuda, 4) == (16, 64, 4)  # 27B GDN in projection
     assert module._int_config(14336, 640, 1, cuda, 4) == (32, 64, 4)  # 27B attention
     assert module._int_config(5120, 768, 1, cuda, 4) == (8, 256, 2)  # 27B out projections
@@ -306,7 +306,7 @@ def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, m
     assert module._int_config(16384, 640, 1, cuda, 8) == (16, 128, 4)
     assert module._int_config(16384, 640, 2, cuda, 4) == (16, 128, 4)
     assert module._int_config(5120, 640, 1, cuda, 4) == (16, 128, 4)
-    monkeypatch.setattr(module, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(module, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
     assert module._int_config(16384, 640, 1, cuda, 4) == (16, 128, 4)
 
 

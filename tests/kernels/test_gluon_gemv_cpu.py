@@ -1,5 +1,5 @@
-"""The column map of the Gluon q4 product (`groupwise_gemv_gluon`), which the GPU cannot be
-asked about in CI: the permutations that carry a group's dequantized codes and x's values into
+"""The Gluon q4 product (`groupwise_gemv_gluon`) where CI can check it without a GPU: its
+settings per product, that CPU tensors never reach it, and its column map: the permutations that carry a group's dequantized codes and x's values into
 the MMA operands give every operand column the same column of the group on both sides, and
 each operand column is held by the thread of the m16n8k16 fragment that holds it (column
 2t + e + 8p + 16c by thread t of a row quad), which loaded that column."""
@@ -35,3 +35,26 @@ def test_each_operand_column_is_one_its_thread_loaded():
     positions = torch.arange(GROUP)
     fragment_thread = (positions // 2) % 4  # operand column 2t + e + 8p + 16c
     assert torch.equal(_weight_columns() // 16, fragment_thread)
+
+
+def test_a_listed_product_takes_its_setting_and_others_the_defaults(monkeypatch):
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_q4
+
+    cuda = torch.device("cuda")
+    defaults = (gluon_q4.BLOCK_N, gluon_q4.STAGES, gluon_q4.PROGRAMS_PER_SM)
+    monkeypatch.setattr(gluon_q4, "device_name", lambda device: "NVIDIA H200")
+    assert gluon_q4._config(34816, 5120, cuda) == (64, 2, 2)  # 27B MLP gate|up
+    assert gluon_q4._config(5120, 17408, cuda) == (64, 4, 2)  # 27B MLP down
+    assert gluon_q4._config(5120, 6144, cuda) == defaults
+    assert gluon_q4._config(17408, 5120, cuda) == defaults  # N and K are not interchangeable
+    monkeypatch.setattr(gluon_q4, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert gluon_q4._config(34816, 5120, cuda) == defaults
+    assert gluon_q4._config(34816, 5120, torch.device("cpu")) == defaults
+
+
+def test_cpu_tensors_keep_the_other_kernels():
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.quant import get_format
+
+    weight = get_format("q4_g64_fp16").encode(torch.randn(64, 512) * 0.05)
+    assert not groupwise_gemv_gluon.fits(torch.randn(8, 512).bfloat16(), weight)
