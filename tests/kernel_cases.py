@@ -197,6 +197,44 @@ def check_causal_conv1d(
     assert torch.equal(windows, ref_windows)  # the new window is a copy of inputs, exactly
 
 
+def check_causal_conv1d_and_gates(
+    conv_module,
+    gates_module,
+    query_lens: list[int],
+    channels: int,
+    heads: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device,
+) -> None:
+    """The conv and the gates from x in one launch (`causal_conv1d_and_gates`) give what the
+    conv kernel and the gates kernel give apart, bit for bit, the windows included; the conv's
+    input a view of a wider row, as the in projection's q|k|v part is."""
+    tokens = sum(query_lens)
+    num_slots = len(query_lens) + 2
+    mixed = torch.randn(tokens, channels + 8, device=device).to(dtype)[:, :channels]
+    taps = (torch.randn(channels, 4, device=device) / 2).to(dtype)
+    windows = torch.randn(num_slots, channels, 3, device=device).to(dtype)
+    slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
+    query_start = query_start_of(query_lens, device)
+    x = torch.randn(tokens, hidden + 8, device=device).to(dtype)[:, :hidden]
+    w_ba = (torch.randn(2 * heads, hidden, device=device) * 8 * hidden**-0.5).to(dtype)
+    A_log = (torch.randn(heads, device=device) * 0.5).to(dtype)
+    dt_bias = torch.linspace(-30, 30, heads, device=device).to(dtype)
+    apart_windows = windows.clone()
+    apart = (
+        conv_module.causal_conv1d(mixed, taps, apart_windows, slots, query_start),
+        *gates_module.gdn_gates_from_x(x, w_ba, A_log, dt_bias),
+    )
+    together = conv_module.causal_conv1d_and_gates(
+        mixed, taps, windows, slots, query_start, x, w_ba, A_log, dt_bias
+    )
+    for got, want in zip(together, apart, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    assert torch.equal(windows, apart_windows)
+
+
 def check_rms_norm(
     module, rows: int, dim: int, dtype: torch.dtype, device, tol: float, strided: bool
 ) -> None:

@@ -5,6 +5,8 @@ the last K - 1 inputs per state slot (torch reference; the same call serves pref
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels import gdn_gates
+
 
 def causal_conv1d(
     x: torch.Tensor,
@@ -26,3 +28,19 @@ def causal_conv1d(
         out[begin:end] = F.silu(y).t().to(x.dtype)
         window.copy_(inputs[:, inputs.shape[1] - (width - 1) :])
     return out
+
+
+def causal_conv1d_and_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    ba_x: torch.Tensor,
+    w_ba: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` of x and `gdn_gates.gdn_gates_from_x` of ba_x: (conv output, g, beta)."""
+    g, beta = gdn_gates.gdn_gates_from_x(ba_x, w_ba, A_log, dt_bias)
+    return causal_conv1d(x, weight, conv_windows, state_slots, query_start), g, beta

@@ -21,11 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.gdn_gates_triton import BLOCK_K as GATES_BLOCK_K
+from ninfer.kernels.gdn_gates_triton import (
+    PROJ_NUM_WARPS,
+    ROWS_PER_PROGRAM,
+    _gates_from_x_program,
+    check_gates_from_x,
+    gates_outputs,
+)
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
 SPAN = 64  # tokens per prefill program (a power of two): 16 per channel block for 1024 tokens
 SEARCH_BLOCK = 128  # sequences a program scans at once while finding its span
+CONV_WARPS = 4
 
 
 @triton.jit
@@ -50,7 +59,9 @@ def _find_span(pair, query_start_ptr, num_seqs, SPAN: tl.constexpr, SEARCH_BLOCK
 
 
 @triton.jit
-def _causal_conv1d_kernel(
+def _conv_program(
+    pair,
+    chan_block,
     x_ptr,
     weight_ptr,
     windows_ptr,
@@ -70,15 +81,15 @@ def _causal_conv1d_kernel(
     SEARCH_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
+    """One program's part of the conv: span `pair` of the batch (the sequence `pair` where
+    each has one token), channels of block `chan_block`."""
     if ONE_TOKEN_EACH:
-        seq = tl.program_id(0)
+        seq = pair
         span = 0
     else:
-        seq, span = _find_span(tl.program_id(0), query_start_ptr, num_seqs, SPAN, SEARCH_BLOCK)
-    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        seq, span = _find_span(pair, query_start_ptr, num_seqs, SPAN, SEARCH_BLOCK)
+    chans = chan_block * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_mask = chans < channels
     slot = tl.load(state_slots_ptr + seq).to(tl.int64)
     begin = tl.load(query_start_ptr + seq)
@@ -135,6 +146,173 @@ def _causal_conv1d_kernel(
             tl.store(window + i, value.to(windows_ptr.dtype.element_ty), mask=chan_mask)
 
 
+@triton.jit
+def _causal_conv1d_kernel(
+    x_ptr,
+    weight_ptr,
+    windows_ptr,
+    state_slots_ptr,
+    query_start_ptr,
+    out_ptr,
+    stride_xt,
+    stride_ot,
+    stride_weight_c,
+    stride_window_slot,
+    stride_window_c,
+    channels,
+    num_seqs,
+    WIDTH: tl.constexpr,
+    SPAN: tl.constexpr,
+    ONE_TOKEN_EACH: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    await_inputs(PDL)
+    _conv_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        x_ptr,
+        weight_ptr,
+        windows_ptr,
+        state_slots_ptr,
+        query_start_ptr,
+        out_ptr,
+        stride_xt,
+        stride_ot,
+        stride_weight_c,
+        stride_window_slot,
+        stride_window_c,
+        channels,
+        num_seqs,
+        WIDTH,
+        SPAN,
+        ONE_TOKEN_EACH,
+        SEARCH_BLOCK,
+        BLOCK_T,
+        BLOCK_C,
+    )
+
+
+@triton.jit
+def _conv_and_gates_kernel(
+    x_ptr,
+    weight_ptr,
+    windows_ptr,
+    state_slots_ptr,
+    query_start_ptr,
+    out_ptr,
+    stride_xt,
+    stride_ot,
+    stride_weight_c,
+    stride_window_slot,
+    stride_window_c,
+    channels,
+    num_seqs,
+    ba_x_ptr,
+    ba_weight_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    g_ptr,
+    beta_ptr,
+    heads,
+    stride_ba_x,
+    stride_ba_w,
+    conv_programs,
+    chan_blocks,
+    row_blocks,
+    WIDTH: tl.constexpr,
+    SPAN: tl.constexpr,
+    ONE_TOKEN_EACH: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The conv kernel's programs first (span, channel block), then the gates-from-x kernel's
+    (token, b|a row block), in one 1-D grid."""
+    await_inputs(PDL)
+    pid = tl.program_id(0)
+    if pid < conv_programs:
+        _conv_program(
+            pid // chan_blocks,
+            pid % chan_blocks,
+            x_ptr,
+            weight_ptr,
+            windows_ptr,
+            state_slots_ptr,
+            query_start_ptr,
+            out_ptr,
+            stride_xt,
+            stride_ot,
+            stride_weight_c,
+            stride_window_slot,
+            stride_window_c,
+            channels,
+            num_seqs,
+            WIDTH,
+            SPAN,
+            ONE_TOKEN_EACH,
+            SEARCH_BLOCK,
+            BLOCK_T,
+            BLOCK_C,
+        )
+    else:
+        job = pid - conv_programs
+        _gates_from_x_program(
+            job // row_blocks,
+            job % row_blocks,
+            ba_x_ptr,
+            ba_weight_ptr,
+            A_log_ptr,
+            dt_bias_ptr,
+            g_ptr,
+            beta_ptr,
+            heads,
+            stride_ba_x,
+            stride_ba_w,
+            HIDDEN,
+            BLOCK_ROWS,
+            BLOCK_K,
+        )
+
+
+def _conv_launch(x: torch.Tensor, weight: torch.Tensor, conv_windows: torch.Tensor, state_slots):
+    """The conv's output, grid (spans, channel blocks) and launch arguments: positional, then
+    compile-time."""
+    channels, width = weight.shape
+    if x.stride(1) != 1 or weight.stride(1) != 1 or conv_windows.stride(2) != 1:
+        raise ValueError("causal conv needs unit stride along channels, taps and window")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_tokens, num_seqs = x.shape[0], state_slots.shape[0]
+    span = max(SPAN, next_power_of_2(width - 1))
+    block_t = min(16, next_power_of_2(max(1, num_tokens // max(1, num_seqs))), span)
+    block_c = 256 if block_t == 1 else 128
+    grid = (num_seqs + (num_tokens - num_seqs) // span, triton.cdiv(channels, block_c))
+    strides = (
+        x.stride(0),
+        out.stride(0),
+        weight.stride(0),
+        conv_windows.stride(0),
+        conv_windows.stride(1),
+        channels,
+        num_seqs,
+    )
+    constants = {
+        "WIDTH": width,
+        "SPAN": span,
+        "ONE_TOKEN_EACH": num_tokens == num_seqs,
+        "SEARCH_BLOCK": SEARCH_BLOCK,
+        "BLOCK_T": block_t,
+        "BLOCK_C": block_c,
+    }
+    return out, grid, strides, constants
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -144,17 +322,9 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """x: [T, C]; weight: [C, K]; conv_windows: [num_slots, C, K - 1], read and updated in place;
     every sequence has at least one token. Returns silu(conv(x)) as [T, C] in x's dtype."""
-    channels, width = weight.shape
-    if x.stride(1) != 1 or weight.stride(1) != 1 or conv_windows.stride(2) != 1:
-        raise ValueError("causal conv needs unit stride along channels, taps and window")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_tokens, num_seqs = x.shape[0], state_slots.shape[0]
-    if num_seqs == 0:
+    out, grid, strides, constants = _conv_launch(x, weight, conv_windows, state_slots)
+    if state_slots.shape[0] == 0:
         return out
-    span = max(SPAN, next_power_of_2(width - 1))
-    block_t = min(16, next_power_of_2(num_tokens // num_seqs), span)
-    block_c = 256 if block_t == 1 else 128
-    grid = (num_seqs + (num_tokens - num_seqs) // span, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
         x,
         weight,
@@ -162,20 +332,67 @@ def causal_conv1d(
         state_slots,
         query_start,
         out,
-        x.stride(0),
-        out.stride(0),
-        weight.stride(0),
-        conv_windows.stride(0),
-        conv_windows.stride(1),
-        channels,
-        num_seqs,
-        WIDTH=width,
-        SPAN=span,
-        ONE_TOKEN_EACH=num_tokens == num_seqs,
-        SEARCH_BLOCK=SEARCH_BLOCK,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
-        num_warps=4,
+        *strides,
+        **constants,
+        num_warps=CONV_WARPS,
         **pdl_options(x.device),
     )
     return out
+
+
+def causal_conv1d_and_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    ba_x: torch.Tensor,
+    w_ba: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` of x and `gdn_gates_triton.gdn_gates_from_x` of ba_x (the layer input)
+    in one launch: (conv output, g, beta), each as the two kernels give it, bit for bit. Two
+    kernels a GDN layer runs between its in projection and its recurrent kernel, both short,
+    become one link of the step's chain of dependent launches. Meant, as the gates kernel
+    is, for decode-sized batches."""
+    check_gates_from_x(ba_x, w_ba)
+    if ba_x.shape[0] != x.shape[0]:
+        raise ValueError(f"{ba_x.shape[0]} gate rows for {x.shape[0]} conv tokens")
+    out, (spans, chan_blocks), strides, constants = _conv_launch(
+        x, weight, conv_windows, state_slots
+    )
+    heads = w_ba.shape[0] // 2
+    g, beta = gates_outputs(ba_x, heads)
+    if state_slots.shape[0] == 0 or x.shape[0] == 0:
+        return out, g, beta
+    row_blocks = triton.cdiv(w_ba.shape[0], ROWS_PER_PROGRAM)
+    conv_programs = spans * chan_blocks
+    _conv_and_gates_kernel[(conv_programs + x.shape[0] * row_blocks,)](
+        x,
+        weight,
+        conv_windows,
+        state_slots,
+        query_start,
+        out,
+        *strides,
+        ba_x,
+        w_ba,
+        A_log,
+        dt_bias,
+        g,
+        beta,
+        heads,
+        ba_x.stride(0),
+        w_ba.stride(0),
+        conv_programs,
+        chan_blocks,
+        row_blocks,
+        **constants,
+        HIDDEN=ba_x.shape[1],
+        BLOCK_ROWS=ROWS_PER_PROGRAM,
+        BLOCK_K=GATES_BLOCK_K,
+        num_warps=PROJ_NUM_WARPS,  # the gates kernel's (its sums' order), the conv's too
+        **pdl_options(x.device),
+    )
+    return out, g, beta

@@ -267,6 +267,36 @@ def causal_conv1d(
     return module.causal_conv1d(x, weight, conv_windows, state_slots, query_start)
 
 
+def causal_conv1d_and_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    ba_x: torch.Tensor,
+    w_ba: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` of x and `gdn_gates_from_x` of ba_x (the GDN layer's input): (conv
+    output, g, beta). On CUDA one kernel runs both (for decode-sized batches: the caller
+    decides), else the two entry points."""
+    if (
+        use_triton(x, conv_windows, ba_x, w_ba, A_log, dt_bias)
+        and ba_x.dtype in _DENSE
+        and w_ba.dtype == ba_x.dtype
+        and ba_x.stride(-1) == 1
+        and w_ba.stride(-1) == 1
+    ):
+        from ninfer.kernels import causal_conv1d_triton
+
+        return causal_conv1d_triton.causal_conv1d_and_gates(
+            x, weight, conv_windows, state_slots, query_start, ba_x, w_ba, A_log, dt_bias
+        )
+    g, beta = gdn_gates_from_x(ba_x, w_ba, A_log, dt_bias)
+    return causal_conv1d(x, weight, conv_windows, state_slots, query_start), g, beta
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -143,6 +143,40 @@ def gdn_gates(
 
 
 @triton.jit
+def _gates_from_x_program(
+    token,
+    row_block,
+    x_ptr,
+    w_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
+    g_ptr,
+    beta_ptr,
+    H,
+    stride_x,
+    stride_w,
+    HIDDEN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program's part of `gdn_gates_from_x`: token `token`'s b|a rows of block
+    `row_block` and their gates (also run by `causal_conv1d_triton.causal_conv1d_and_gates`)."""
+    token = token.to(tl.int64)
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < 2 * H
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    ba = _x_dot_rows(x_ptr + token * stride_x, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
+    is_b = rows < H
+    is_a = row_mask & ~is_b
+    heads = tl.where(is_b, rows, rows - H)
+    out = token * H + heads
+    tl.store(beta_ptr + out, tl.sigmoid(ba).to(beta_ptr.dtype.element_ty), mask=is_b)
+    A_log = tl.load(A_log_ptr + heads, mask=is_a, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + heads, mask=is_a, other=0.0).to(tl.float32)
+    tl.store(g_ptr + out, _log_decay(ba, A_log, dt_bias), mask=is_a)
+
+
+@triton.jit
 def _gdn_gates_from_x_kernel(
     x_ptr,
     w_ptr,
@@ -159,19 +193,39 @@ def _gdn_gates_from_x_kernel(
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < 2 * H
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    ba = _x_dot_rows(x_ptr + token * stride_x, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
-    is_b = rows < H
-    is_a = row_mask & ~is_b
-    heads = tl.where(is_b, rows, rows - H)
-    out = token * H + heads
-    tl.store(beta_ptr + out, tl.sigmoid(ba).to(beta_ptr.dtype.element_ty), mask=is_b)
-    A_log = tl.load(A_log_ptr + heads, mask=is_a, other=0.0).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + heads, mask=is_a, other=0.0).to(tl.float32)
-    tl.store(g_ptr + out, _log_decay(ba, A_log, dt_bias), mask=is_a)
+    _gates_from_x_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        x_ptr,
+        w_ptr,
+        A_log_ptr,
+        dt_bias_ptr,
+        g_ptr,
+        beta_ptr,
+        H,
+        stride_x,
+        stride_w,
+        HIDDEN,
+        BLOCK_ROWS,
+        BLOCK_K,
+    )
+
+
+def check_gates_from_x(x: torch.Tensor, w_ba: torch.Tensor) -> None:
+    """Raise ValueError unless `gdn_gates_from_x`'s kernel takes x and w_ba."""
+    hidden = x.shape[1]
+    if w_ba.shape[1] != hidden or w_ba.shape[0] % 2:
+        raise ValueError(f"b|a weight {tuple(w_ba.shape)} does not match hidden size {hidden}")
+    if x.stride(1) != 1 or w_ba.stride(1) != 1:
+        raise ValueError("gdn gates from x need unit stride along hidden")
+    if w_ba.dtype != x.dtype:
+        raise ValueError(f"b|a weight in {w_ba.dtype}, input in {x.dtype}")
+
+
+def gates_outputs(x: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty g (fp32) and beta (x's dtype), [T, heads]."""
+    g = torch.empty(x.shape[0], heads, dtype=torch.float32, device=x.device)
+    return g, torch.empty(x.shape[0], heads, dtype=x.dtype, device=x.device)
 
 
 def gdn_gates_from_x(
@@ -179,17 +233,11 @@ def gdn_gates_from_x(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gdn_gates.gdn_gates_from_x`; x and w_ba of one dtype with unit
     stride along hidden. Meant for decode-sized T: each token re-reads the whole weight."""
+    check_gates_from_x(x, w_ba)
     tokens, hidden = x.shape
     rows = w_ba.shape[0]
-    if w_ba.shape[1] != hidden or rows % 2:
-        raise ValueError(f"b|a weight {tuple(w_ba.shape)} does not match hidden size {hidden}")
-    if x.stride(1) != 1 or w_ba.stride(1) != 1:
-        raise ValueError("gdn gates from x need unit stride along hidden")
-    if w_ba.dtype != x.dtype:
-        raise ValueError(f"b|a weight in {w_ba.dtype}, input in {x.dtype}")
     heads = rows // 2
-    g = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
-    beta = torch.empty(tokens, heads, dtype=x.dtype, device=x.device)
+    g, beta = gates_outputs(x, heads)
     if tokens:
         _gdn_gates_from_x_kernel[(tokens, triton.cdiv(rows, ROWS_PER_PROGRAM))](
             x,

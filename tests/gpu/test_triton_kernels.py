@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_cases import (
     check_causal_conv1d,
+    check_causal_conv1d_and_gates,
     check_gated_rms_norm,
     check_gdn_recurrent,
     check_gdn_recurrent_from_x,
@@ -159,6 +160,20 @@ def test_causal_conv1d_prefill_over_spans(query_lens):
     from ninfer.kernels import causal_conv1d_triton
 
     check_causal_conv1d(causal_conv1d_triton, query_lens, 10240, 4, BF16, "cuda", 1e-2)
+
+
+@pytest.mark.parametrize("query_lens", [[1] * 8, [1, 1], [3, 1, 2], [16]])
+@pytest.mark.parametrize(
+    ("channels", "heads", "hidden"), [(10240, 48, 5120), (8192, 32, 2048)], ids=["27B", "35B-A3B"]
+)
+def test_causal_conv1d_and_gates(query_lens, channels, heads, hidden):
+    """Decode steps of eight and two sequences, a verification-sized batch and a small prompt
+    at the 27B and 35B-A3B GDN shapes: the same bits as the two kernels apart."""
+    from ninfer.kernels import causal_conv1d_triton, gdn_gates_triton
+
+    check_causal_conv1d_and_gates(
+        causal_conv1d_triton, gdn_gates_triton, query_lens, channels, heads, hidden, BF16, "cuda"
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])

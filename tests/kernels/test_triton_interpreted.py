@@ -10,6 +10,7 @@ import pytest
 import torch
 from kernel_cases import (
     check_causal_conv1d,
+    check_causal_conv1d_and_gates,
     check_gated_rms_norm,
     check_gdn_recurrent,
     check_groupwise_dequant,
@@ -29,6 +30,7 @@ from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels import causal_conv1d as conv_reference
 from ninfer.kernels import gated_rms_norm as gated_norm_reference
+from ninfer.kernels import gdn_gates as gates_reference
 from ninfer.quant import EncodedTensor, get_format
 from ninfer.quant.groupwise import widen_to_q8
 
@@ -116,6 +118,37 @@ def test_causal_conv1d_spreads_sequences_over_spans(interpreted, query_lens, dty
     module = interpreted("causal_conv1d_triton")
     module.SPAN, module.SEARCH_BLOCK = 4, 2
     check_causal_conv1d(module, query_lens, 40, 4, dtype, "cpu", tol)
+
+
+@pytest.mark.parametrize(
+    "query_lens", [[1, 1, 1], [1, 2, 19], [70]], ids=["decode", "mixed", "two spans"]
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_conv_and_gates_in_one_launch_match_the_two_kernels(interpreted, query_lens, dtype):
+    """Conv programs first, then the gates' (token, b|a row) programs, in one grid: a decode
+    step, a mixed batch and a prompt over two spans (channels over two blocks, hidden over
+    two column blocks of the gates' dot products)."""
+    check_causal_conv1d_and_gates(
+        interpreted("causal_conv1d_triton"),
+        interpreted("gdn_gates_triton"),
+        query_lens,
+        300,
+        3,
+        1100,
+        dtype,
+        "cpu",
+    )
+
+
+def test_conv_and_gates_reference_and_dispatch_are_the_two_references():
+    from ninfer.kernels import dispatch
+
+    check_causal_conv1d_and_gates(
+        conv_reference, gates_reference, [1, 3], 24, 2, 40, torch.float32, "cpu"
+    )
+    check_causal_conv1d_and_gates(
+        dispatch, gates_reference, [1, 3], 24, 2, 40, torch.float32, "cpu"
+    )
 
 
 def test_causal_conv1d_continues_a_prompt_split_across_calls(interpreted):

@@ -1,7 +1,7 @@
 """What a GDN layer launches per forward, on the CUDA path traced on the meta device (non-view
 aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): a one-token
 decode step computes the stacked dense b|a product and the gates inside the recurrent kernel,
-other batches up to GATES_FROM_X_MAX_TOKENS tokens inside the gates kernel, larger ones keep
+other batches up to GATES_FROM_X_MAX_TOKENS tokens inside the conv's kernel, larger ones keep
 the product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and a
 reduce at batch 1 (one aten mm, two launches), so at decode product, gates and delta rule take
 one launch where the unfused layer took four and the gates kernel with the product inside
@@ -57,11 +57,15 @@ def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]
     def like_first(shaped, *args):
         return torch.empty_like(shaped)
 
+    def conv_and_gates(mixed, taps, windows, slots, query_start, x, w_ba, A_log, dt_bias):
+        return (torch.empty_like(mixed), *gates_from_x(x, w_ba, A_log, dt_bias))
+
     def rule_output(q, k, v, *args):
         return torch.empty_like(v)
 
     kernels = {
         "gdn_gates_from_x": gates_from_x,
+        "causal_conv1d_and_gates": conv_and_gates,
         "gdn_gates": gates_reference.gdn_gates,
         "causal_conv1d": like_first,
         "recurrent_gated_delta_rule": rule_output,
@@ -90,22 +94,25 @@ def test_one_token_decode_step_computes_b_a_and_the_gates_inside_the_recurrent_k
 
 
 @pytest.mark.parametrize("tokens", [2, 8, GATES_FROM_X_MAX_TOKENS])
-def test_decode_step_of_several_sequences_computes_the_gates_apart(monkeypatch, tokens):
-    """Above GATES_IN_RULE_MAX_TOKENS the gates kernel (b|a product inside) runs before the
-    conv, once per token and head, and the recurrent kernel takes g and beta: six launches."""
+def test_decode_step_of_several_sequences_computes_the_gates_in_the_conv_kernel(
+    monkeypatch, tokens
+):
+    """Above GATES_IN_RULE_MAX_TOKENS the conv's kernel computes the gates (b|a product
+    inside) in programs of their own, once per token and head, and the recurrent kernel takes
+    g and beta: five launches, where the gates kernel apart made six."""
     assert traced_launches(monkeypatch, tokens, is_decode=True) == {
-        "mm": 2, "gdn_gates_from_x": 1, "causal_conv1d": 1, "recurrent_gated_delta_rule": 1,
+        "mm": 2, "causal_conv1d_and_gates": 1, "recurrent_gated_delta_rule": 1,
         "gated_rms_norm": 1,
     }  # fmt: skip
     monkeypatch.setattr(gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", GATES_FROM_X_MAX_TOKENS)
     assert "recurrent_gated_delta_rule_from_x" in traced_launches(monkeypatch, tokens, True)
 
 
-def test_small_prefill_computes_b_and_a_inside_the_gates_kernel(monkeypatch):
+def test_small_prefill_computes_b_and_a_inside_the_conv_kernel(monkeypatch):
     """A few prompt tokens (or a verification step) take the chunked rule, so the gates come
-    from the gates kernel with the b|a product inside."""
+    from the conv's kernel with the b|a product inside."""
     assert traced_launches(monkeypatch, GATES_FROM_X_MAX_TOKENS, is_decode=False) == {
-        "mm": 2, "gdn_gates_from_x": 1, "causal_conv1d": 1, "chunk_gated_delta_rule": 1,
+        "mm": 2, "causal_conv1d_and_gates": 1, "chunk_gated_delta_rule": 1,
         "gated_rms_norm": 1,
     }  # fmt: skip
 
@@ -132,7 +139,7 @@ def test_decode_step_without_the_fused_gates_took_the_product_the_gates_and_the_
 def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch):
     """Stacked q|k|v|z weights kept encoded: a one-token decode step launches one kernel for
     the in projection and the conv (`groupwise_linear_conv`), no conv kernel of its own; a
-    step of two tokens keeps the product and the conv apart, and the gates kernel."""
+    step of two tokens keeps the product and the conv apart, the gates in the conv's kernel."""
     from ninfer.models.layers.linear import GroupwiseLinear
     from ninfer.quant import get_format
 
@@ -175,6 +182,9 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
             gated_deltanet, "recurrent_gated_delta_rule", count.kernel("rule", rule_from_x)
         )
         monkeypatch.setattr(gated_deltanet, "gdn_gates_from_x", count.kernel("gates", gates))
+        monkeypatch.setattr(
+            gated_deltanet, "causal_conv1d_and_gates", count.kernel("conv_gates", conv_gates)
+        )
         monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
         monkeypatch.setattr(norms, "gated_rms_norm", count.kernel("norm", like_first))
         with count:
@@ -185,5 +195,8 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
     def gates(x, *args):
         return x.new_empty(x.shape[0], VALUE_HEADS), x.new_empty(x.shape[0], VALUE_HEADS)
 
+    def conv_gates(mixed, taps, windows, slots, query_start, x, *args):
+        return (torch.empty_like(mixed), *gates(x))
+
     assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
-    assert encoded(2) == {"gates": 1, "gemv": 1, "conv": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(2) == {"conv_gates": 1, "gemv": 1, "mm": 1, "rule": 1, "norm": 1}

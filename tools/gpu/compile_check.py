@@ -287,6 +287,8 @@ def cases():
             causal_conv1d_triton, [1], 10240, 4, BF16, cpu, 1e-2)),
         ("causal conv, prefill", lambda: kc.check_causal_conv1d(
             causal_conv1d_triton, [100, 3], 10240, 4, BF16, cpu, 1e-2)),
+        ("causal conv and gates, decode", lambda: kc.check_causal_conv1d_and_gates(
+            causal_conv1d_triton, gdn_gates_triton, [1] * 8, 10240, 48, 5120, BF16, cpu)),
         ("rms norm", lambda: kc.check_rms_norm(rms_norm_triton, 4, 5120, BF16, cpu, 1e-2, False)),
         ("gated rms norm", lambda: kc.check_gated_rms_norm(
             gated_rms_norm_triton, 2, 48, 128, BF16, cpu, 1e-2)),

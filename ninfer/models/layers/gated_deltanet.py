@@ -3,15 +3,17 @@ gated delta rule with a state per slot (fp32, or bf16 updated in fp32: `gdn_stat
 chunked for prefill, recurrent for decode),
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
 in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
-the GPU a decode step then computes the b|a product and the gates inside the recurrent
-kernel (one launch for product, gates and rule), and a small prefill or a decode step of
-several sequences inside the gates kernel."""
+the GPU a one-token decode step then computes the b|a product and the gates inside the
+recurrent kernel (one launch for product, gates and rule), and a small prefill or a decode
+step of several sequences inside the conv's kernel (one launch for conv, product and
+gates)."""
 
 import torch
 from torch import nn
 
 from ninfer.kernels.dispatch import (
     causal_conv1d,
+    causal_conv1d_and_gates,
     chunk_gated_delta_rule,
     gdn_gates,
     gdn_gates_from_x,
@@ -30,7 +32,8 @@ from ninfer.models.layers.norms import GatedRMSNorm
 # batches keep the matmul (which reads it once) and the gates kernel.
 GATES_FROM_X_MAX_TOKENS = 16
 # ... and at a decode step of up to this many tokens that kernel is the recurrent one; above
-# it the gates kernel runs before the conv and the recurrent kernel takes g and beta. Inside
+# it (and for a small prefill) the conv's kernel computes them in programs of their own
+# (`causal_conv1d_and_gates`) and the recurrent kernel takes g and beta. Inside
 # the recurrent kernel every program (sequence, head, column block) reads its head's two b|a
 # rows and x's row again: at eight sequences (27B) the kernel took 22.2 us against 17.5 us
 # with the gates given, and the 27B C=8 step was 0.09 ms faster with the gates kernel apart
@@ -97,11 +100,8 @@ class GatedDeltaNet(nn.Module):
         return None
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g fp32, beta) of each token and value head: one kernel for product and gates where
-        `ba_weight_for` gives the weight, else the b and a products and the gates."""
-        ba_weight = self.ba_weight_for(x)
-        if ba_weight is not None:
-            return gdn_gates_from_x(x, ba_weight, self.A_log, self.dt_bias)
+        """(g fp32, beta) of each token and value head from the b and a products, where no
+        kernel computes them from x (`ba_weight_for` gives no weight)."""
         if self.in_proj_ba is None:
             b, a = self.in_proj_b(x), self.in_proj_a(x)
         else:
@@ -109,10 +109,12 @@ class GatedDeltaNet(nn.Module):
         return gdn_gates(b, a, self.A_log, self.dt_bias)
 
     def project_and_conv(
-        self, x: torch.Tensor, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(silu(conv(q|k|v)), z). A one-token decode step with the projections stacked and
-        encoded, off the CPU, runs the conv inside the product's kernel (one launch fewer)."""
+        self, x: torch.Tensor, ctx: ForwardContext, ba_weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(silu(conv(q|k|v)), z, gates): gates the (g, beta) of `gdn_gates_from_x` with
+        ba_weight where it is given, computed in the conv's kernel, else None. A one-token
+        decode step with the projections stacked and encoded, off the CPU, runs the conv
+        inside the product's kernel (one launch fewer)."""
         taps, windows = self.conv1d.weight[:, 0], ctx.cache.conv_window[self.cache_index]
         fused = self.in_proj_qkvz
         if (
@@ -122,31 +124,51 @@ class GatedDeltaNet(nn.Module):
             and x.device.type != "cpu"
             and x.shape[0] <= INT_MAX_ROWS
         ):
-            return groupwise_linear_conv(
+            mixed, z = groupwise_linear_conv(
                 x, fused.linear.encoded, taps, windows, ctx.state_slots, ctx.query_start
             )
+            gates = None
+            if ba_weight is not None:
+                gates = gdn_gates_from_x(x, ba_weight, self.A_log, self.dt_bias)
+            return mixed, z, gates
         if fused is None:
             mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         else:
             mixed_qkv, z = fused(x)
-        return causal_conv1d(mixed_qkv, taps, windows, ctx.state_slots, ctx.query_start), z
+        if ba_weight is None:
+            conv = causal_conv1d(mixed_qkv, taps, windows, ctx.state_slots, ctx.query_start)
+            return conv, z, None
+        conv, g, beta = causal_conv1d_and_gates(
+            mixed_qkv,
+            taps,
+            windows,
+            ctx.state_slots,
+            ctx.query_start,
+            x,
+            ba_weight,
+            self.A_log,
+            self.dt_bias,
+        )
+        return conv, z, (g, beta)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        # At a one-token decode step, where a kernel would compute the gates from x, the
-        # recurrent kernel does (one launch fewer); they are then computed after the conv.
-        in_rule = ctx.is_decode and tokens <= GATES_IN_RULE_MAX_TOKENS
-        ba_weight = self.ba_weight_for(x) if in_rule else None
+        # Where a kernel computes the gates from x (`ba_weight_for`): at a one-token decode
+        # step the recurrent kernel (one launch fewer), else the conv's kernel.
+        ba_weight = self.ba_weight_for(x)
+        in_rule = ba_weight is not None and ctx.is_decode and tokens <= GATES_IN_RULE_MAX_TOKENS
         if ba_weight is None:
             g, beta = self.gates(x)
-        mixed, z = self.project_and_conv(x, ctx)
+        mixed, z, gates = self.project_and_conv(x, ctx, None if in_rule else ba_weight)
+        if gates is not None:
+            g, beta = gates
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.view(tokens, self.num_key_heads, self.key_head_dim)
         key = key.view(tokens, self.num_key_heads, self.key_head_dim)
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
 
         states = ctx.cache.gdn_state[self.cache_index]
-        if ba_weight is not None:
+        if in_rule:
             out = recurrent_gated_delta_rule_from_x(
                 query,
                 key,
