@@ -13,6 +13,12 @@ the new entries from x (or from the old window, for a sequence shorter than K - 
 update is race-free. Decode (one token per sequence) maps program to sequence directly.
 The conv accumulates in fp32 and the output is rounded once.
 Reference: `causal_conv1d.causal_conv1d` (same signature).
+
+`causal_conv1d_and_gates` runs the GDN gates from the layer input (`gdn_gates_triton`'s
+`gdn_gates_from_x`) as programs of the same launch: the two read and write different tensors,
+so one grid of the conv's programs followed by the gates' needs no counter, and a decode step
+of several sequences has one dependent launch fewer per GDN layer (docs/performance.md,
+Measurement 24). Reference: `causal_conv1d.causal_conv1d_and_gates` (same signature).
 """
 
 from __future__ import annotations
