@@ -208,13 +208,7 @@ def recurrent_gated_delta_rule_from_x(
     """The decode delta rule with the gates from the layer input x [T, hidden] and the stacked
     b|a weight [2Hv, hidden]: on CUDA one kernel computes b|a product, gates and recurrence
     (for decode-sized T: the caller decides), else `gdn_gates_from_x` and the rule."""
-    if (
-        use_triton(q, x, ba_weight, A_log, dt_bias, states)
-        and x.dtype in _DENSE
-        and ba_weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and ba_weight.stride(-1) == 1
-    ):
+    if _takes_b_a_product(x, ba_weight, q, A_log, dt_bias, states):
         from ninfer.kernels import gdn_recurrent_triton
 
         return gdn_recurrent_triton.recurrent_gated_delta_rule_from_x(
@@ -222,6 +216,18 @@ def recurrent_gated_delta_rule_from_x(
         )
     return gdn_reference.recurrent_gated_delta_rule_from_x(
         q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
+    )
+
+
+def _takes_b_a_product(x: torch.Tensor, w_ba: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether a Triton kernel computes the GDN b|a product of x itself: x in a dense dtype,
+    the weight in x's, both unit stride along hidden, and every tensor (others too) on CUDA."""
+    return (
+        use_triton(x, w_ba, *others)
+        and x.dtype in _DENSE
+        and w_ba.dtype == x.dtype
+        and x.stride(-1) == 1
+        and w_ba.stride(-1) == 1
     )
 
 
@@ -241,13 +247,7 @@ def gdn_gates_from_x(
     """(g fp32, beta in x's dtype) of the GDN layer from its input x [T, hidden] and the
     stacked b|a weight [2H, hidden]: on CUDA one kernel computes the product and the gates
     (for decode-sized T: the caller decides), else the product, its halves, `gdn_gates`."""
-    if (
-        use_triton(x, w_ba, A_log, dt_bias)
-        and x.dtype in _DENSE
-        and w_ba.dtype == x.dtype
-        and x.stride(-1) == 1
-        and w_ba.stride(-1) == 1
-    ):
+    if _takes_b_a_product(x, w_ba, A_log, dt_bias):
         from ninfer.kernels import gdn_gates_triton
 
         return gdn_gates_triton.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
@@ -281,13 +281,7 @@ def causal_conv1d_and_gates(
     """`causal_conv1d` of x and `gdn_gates_from_x` of ba_x (the GDN layer's input): (conv
     output, g, beta). On CUDA one kernel runs both (for decode-sized batches: the caller
     decides), else the two entry points."""
-    if (
-        use_triton(x, conv_windows, ba_x, w_ba, A_log, dt_bias)
-        and ba_x.dtype in _DENSE
-        and w_ba.dtype == ba_x.dtype
-        and ba_x.stride(-1) == 1
-        and w_ba.stride(-1) == 1
-    ):
+    if _takes_b_a_product(ba_x, w_ba, x, conv_windows, A_log, dt_bias):
         from ninfer.kernels import causal_conv1d_triton
 
         return causal_conv1d_triton.causal_conv1d_and_gates(
