@@ -70,7 +70,7 @@ def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatc
     """A GDN layer's decode step (stacked dense b|a, bf16) with product, gates and rule in one
     kernel against the same step through the b|a product, the gates kernel and the rule:
     outputs and states within bf16 rounding (cuBLAS's b|a product may round differently).
-    Several sequences take the gates kernel with the product inside apart by default
+    Several sequences take the product and the gates in the conv's kernel by default
     (`GATES_IN_RULE_MAX_TOKENS`): bit for bit the one kernel's outputs and states."""
     torch.manual_seed(tokens)
     hidden, key_heads, value_heads, head_dim = 512, 2, 6, 128
