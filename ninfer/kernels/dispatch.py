@@ -333,6 +333,30 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     return gemv_reference.groupwise_linear(x, weight)
 
 
+def swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """silu(gate) * up, [M, F], for x [M, K] and an encoded [2F, K] weight stacking gate's rows
+    over up's. Where `takes_swiglu_linear`, one kernel with the SwiGLU in its epilogue, bit for
+    bit the product followed by `silu_mul`; elsewhere the product, then `silu_mul`."""
+    if takes_swiglu_linear(x, weight):
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        return groupwise_gemv_gluon.q4_swiglu_linear(x, weight)
+    if use_triton(x) and x.dtype in _HALF:
+        gate, up = groupwise_linear(x, weight).chunk(2, dim=-1)
+        return silu_mul(gate, up)
+    return gemv_reference.swiglu_linear(x, weight)
+
+
+def takes_swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> bool:
+    """Whether `swiglu_linear` runs as one kernel: the Gluon q4 product's conditions (two to
+    eight bf16 rows on a Hopper GPU, `groupwise_gemv_gluon.swiglu_fits`)."""
+    if not (use_triton(x, *weight.planes.values()) and x.dtype in _HALF):
+        return False
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    return groupwise_gemv_gluon.swiglu_fits(x, weight)
+
+
 def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """x [M, K] @ W.T through the integer GEMV, which also reads formats the tensor-core kernel
     does not (q6_g64, `groupwise_gemv_triton.ONE_ROW_FORMATS`); the reference elsewhere."""

@@ -16,6 +16,13 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     return F.linear(x, weight.decode(x.dtype))
 
 
+def swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """silu(gate) * up for an encoded [2F, K] weight stacking gate's rows over up's: [M, F]
+    (`groupwise_gemv_gluon.q4_swiglu_linear` in one kernel)."""
+    gate, up = groupwise_linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def grouped_groupwise_linear(
     x: torch.Tensor, weight: EncodedTensor, x_rows: torch.Tensor, experts: torch.Tensor
 ) -> torch.Tensor:

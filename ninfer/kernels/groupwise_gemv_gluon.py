@@ -27,6 +27,10 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
 - Where the row blocks alone give too few programs, K is split; each split writes an fp32
   partial, and the split that arrives last at its row block's counter adds them up and
   writes the result (the Triton kernel's scheme and counters).
+- `q4_swiglu_linear` runs an MLP's stacked gate|up weight with the SwiGLU in the epilogue: a
+  program's rows are BN/2 of gate's over the same BN/2 of up's (one TMA box over the two
+  halves seen as one more dim), and it writes silu(gate) * up, so the SwiGLU's launch and the
+  [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 
 Reference: `groupwise_gemv.groupwise_linear`. Loop cost and timings: bench/decode_kernels.md,
 "The q4 product at eight rows in Gluon".
@@ -187,19 +191,55 @@ sub.rn.bf16x2 $3, p3, bias;
 
     @gluon.jit
     def _issue_tile(
-        descs, rings, ready, slot, tile, n0, pred, WEIGHTS: gl.constexpr, X: gl.constexpr
+        descs,
+        rings,
+        ready,
+        slot,
+        tile,
+        n0,
+        pred,
+        WEIGHTS: gl.constexpr,
+        X: gl.constexpr,
+        HALVES: gl.constexpr,
     ):
         """Ask TMA for tile `tile`'s codes and scales (WEIGHTS) and x's tile (X) into ring
-        slot `slot`, counted by its mbarrier."""
+        slot `slot`, counted by its mbarrier. With HALVES the weight is [gate; up] seen as two
+        halves (`_descriptors`) and n0 a row of each."""
         x_desc, w_desc, s_desc = descs
         x_ring, w_ring, s_ring = rings
         groups: gl.constexpr = w_desc.block_type.shape[0]
         bar = ready.index(slot)
         if WEIGHTS:
-            _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
-            _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+            if HALVES:
+                _tma_load(w_desc, [tile * groups, 0, n0, 0], bar, w_ring.index(slot), pred=pred)
+                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+            else:
+                _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
+                _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
         if X:
             _tma_load(x_desc, [tile * groups, 0, 0], bar, x_ring.index(slot), pred=pred)
+
+    @gluon.jit
+    def _swiglu_out(acc, out_ptr, M, N, n0, BN: gl.constexpr):
+        """Write out[m, n0 + i] = silu(gate) * up for the accumulator [BN, 8] of gate's rows
+        over up's: both products rounded to bf16 first, then `swiglu_triton`'s arithmetic in
+        fp32 (bit for bit the product followed by `silu_mul`). The halves meet through shared
+        memory, as the MMA puts them in different warps."""
+        HALF: gl.constexpr = BN // 2
+        OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+        both = gl.allocate_shared_memory(
+            gl.bfloat16, [BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )
+        both.store(acc.to(gl.bfloat16))
+        _barrier()
+        gate = both.slice(0, HALF).load(OUT_LAYOUT).to(gl.float32)
+        up = both.slice(HALF, HALF).load(OUT_LAYOUT).to(gl.float32)
+        values = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)
+        rows = n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        x_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
+        mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
+        gl.store(out_ptr + at, values, mask=mask)
 
     @gluon.jit
     def _q4_tc_kernel(
@@ -219,10 +259,13 @@ sub.rn.bf16x2 $3, p3, bias;
         SPLIT_K: gl.constexpr,
         WEIGHTS_FIRST: gl.constexpr,
         PDL: gl.constexpr,
+        SWIGLU: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
-        n's counter (then reset by it) adds the partials up and writes out."""
+        n's counter (then reset by it) adds the partials up and writes out. With SWIGLU, W is
+        [gate; up] (2N rows): a program's BN rows are gate's rows n0 .. n0 + BN/2 over up's
+        same rows, and out[M, N] = silu(gate product) * up product."""
         R: gl.constexpr = BN // 64  # 16-row blocks per warp
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
@@ -262,17 +305,30 @@ sub.rn.bf16x2 $3, p3, bias;
         W_SHARED: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=0, element_bitwidth=32, rank=2
         )
+
+        S_SHARED: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=0, element_bitwidth=16, rank=2
+        )
         gl.static_assert(GROUPS == 8)
+        gl.static_assert(not (SWIGLU and SPLIT_K))
 
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
-        n0 = pid_n * BN
+        n0 = pid_n * (BN // 2 if SWIGLU else BN)
         first = split * tiles_per_split
         count = gl.minimum(num_tiles - first, tiles_per_split)
 
         x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout)
-        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
-        s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
+        if SWIGLU:  # a slot holds gate's rows of each group, then up's: [GROUPS, BN, 8] in memory
+            w_ring = gl.allocate_shared_memory(
+                gl.int32, [STAGES, GROUPS, 2, BN // 2, 8], w_desc.layout
+            )
+            s_ring = gl.allocate_shared_memory(
+                gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
+            )
+        else:
+            w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
+            s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -284,10 +340,12 @@ sub.rn.bf16x2 $3, p3, bias;
         for i in gl.static_range(STAGES - 1):
             mbarrier.expect(ready.index(i), nbytes, pred=i < count)
             if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
-                _issue_tile(descs, rings, ready, i, first + i, n0, i < count, True, False)
+                _issue_tile(descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU)
         _await_inputs(PDL)
         for i in gl.static_range(STAGES - 1):
-            _issue_tile(descs, rings, ready, i, first + i, n0, i < count, not WEIGHTS_FIRST, True)
+            _issue_tile(
+                descs, rings, ready, i, first + i, n0, i < count, not WEIGHTS_FIRST, True, SWIGLU
+            )
 
         acc = gl.zeros([BN, 8], gl.float32, MMA)
         for j in range(count):
@@ -298,14 +356,24 @@ sub.rn.bf16x2 $3, p3, bias;
             fence_async_shared()
             mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
             _issue_tile(
-                descs, rings, ready, slot_ahead, first + ahead, n0, ahead < count, True, True
+                descs,
+                rings,
+                ready,
+                slot_ahead,
+                first + ahead,
+                n0,
+                ahead < count,
+                True,
+                True,
+                SWIGLU,
             )
 
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
             xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
             ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
-            scales = s_ring.index(slot).load(S_LAYOUT).to(gl.float32)
+            scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
+            scales = scales.load(S_LAYOUT).to(gl.float32)
             for g in gl.static_range(GROUPS):
                 a = _weight_operand(ws.slice(g * BN, BN).load(W_LAYOUT), BN, A_LAYOUT)
                 b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
@@ -317,26 +385,29 @@ sub.rn.bf16x2 $3, p3, bias;
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        x_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
-        mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
-        if SPLIT_K:
-            splits = gl.num_programs(1)
-            gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
-            _barrier()  # every thread's partial is written before the arrival counts
-            counter = counters_ptr + pid_n
-            if gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-                total = gl.zeros([BN, 8], gl.float32, MMA)
-                for s in range(0, splits):
-                    # .cg reads from L2, where the other programs' partials are
-                    total += gl.load(
-                        partial_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
-                gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
-                gl.atomic_xchg(counter, 0)
-        else:  # the result, or (split-K without counters) this split's partial
-            gl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SWIGLU:
+            _swiglu_out(acc, out_ptr, M, N, n0, BN)
+        else:
+            rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            x_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+            at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
+            mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
+            if SPLIT_K:
+                splits = gl.num_programs(1)
+                gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
+                _barrier()  # every thread's partial is written before the arrival counts
+                counter = counters_ptr + pid_n
+                if gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                    total = gl.zeros([BN, 8], gl.float32, MMA)
+                    for s in range(0, splits):
+                        # .cg reads from L2, where the other programs' partials are
+                        total += gl.load(
+                            partial_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg"
+                        )
+                    gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
+                    gl.atomic_xchg(counter, 0)
+            else:  # the result, or (split-K without counters) this split's partial
+                gl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -377,15 +448,44 @@ def _config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     return TUNED.get(name, {}).get((n, k), (BLOCK_N, STAGES, PROGRAMS_PER_SM))
 
 
-def _descriptors(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_n: int):
-    """TMA descriptors: x as [K/64, M, 64] (a tile: GROUPS groups of 8 rows, 128-byte swizzle),
-    the codes as int32 words [K/64, N, 8] (GROUPS groups of block_n rows), the scales [N, K/64]
-    (block_n rows of GROUPS). Rows past M or N read as zeros."""
-    m, k = x.shape
-    n = codes.shape[0]
-    x3 = x.as_strided((k // GROUP, m, GROUP), (GROUP, x.stride(0), 1))
+def swiglu_fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
+    """Whether `q4_swiglu_linear` takes this product: as `fits`, with an even number of rows
+    (gate's over up's), where `q4_linear` would not split K either (so both forms run the same
+    programs and give the same bits; the 27B gate|up product has 544 row blocks)."""
+    n, k = weight.shape
+    return n % 2 == 0 and fits(x, weight) and _splits(n, k, x.device)[0] == 1
+
+
+def weight_views(
+    codes: torch.Tensor, scales: torch.Tensor, halves: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes as int32 words [K/64, N, 8] and the scales [N, K/64] that the TMA boxes read;
+    with `halves`, the weight's two halves (gate's rows over up's) as one more dim: codes
+    [K/64, 2, N/2, 8] and scales [2, N/2, K/64]. Views, no copy."""
     words = codes.view(torch.int32)
-    w3 = words.as_strided((k // GROUP, n, 8), (8, words.stride(0), 1))
+    n, k = codes.shape[0], codes.shape[1] * 2
+    row, scale_row = words.stride(0), scales.stride(0)
+    if not halves:
+        return words.as_strided((k // GROUP, n, 8), (8, row, 1)), scales
+    half = n // 2
+    return (
+        words.as_strided((k // GROUP, 2, half, 8), (8, half * row, row, 1)),
+        scales.as_strided((2, half, k // GROUP), (half * scale_row, scale_row, 1)),
+    )
+
+
+def _descriptors(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_n: int, halves: bool
+):
+    """TMA descriptors: x as [K/64, M, 64] (a tile: GROUPS groups of 8 rows, 128-byte swizzle),
+    and the weight as `weight_views`: a box of block_n rows of GROUPS groups, with `halves`
+    block_n/2 rows of each half, so a ring slot holds a group's gate rows then its up rows.
+    Rows past M or N (N/2) read as zeros."""
+    m, k = x.shape
+    x3 = x.as_strided((k // GROUP, m, GROUP), (GROUP, x.stride(0), 1))
+    w, s = weight_views(codes, scales, halves)
+    rows = [2, block_n // 2] if halves else [block_n]
+    w_box, s_box = [GROUPS, *rows, 8], [*rows, GROUPS]
     return (
         TensorDescriptor(
             x3,
@@ -395,47 +495,69 @@ def _descriptors(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3),
         ),
         TensorDescriptor(
-            w3,
-            list(w3.shape),
-            list(w3.stride()),
-            [GROUPS, block_n, 8],
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3),
+            w,
+            list(w.shape),
+            list(w.stride()),
+            w_box,
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(w_box)),
         ),
         TensorDescriptor(
-            scales,
-            list(scales.shape),
-            list(scales.stride()),
-            [block_n, GROUPS],
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2),
+            s,
+            list(s.shape),
+            list(s.stride()),
+            s_box,
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=len(s_box)),
         ),
     )
 
 
 def q4_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits` checked: [M, N] bf16."""
+    return _launch(x, weight, swiglu=False)
+
+
+def q4_swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for a q4_g64 weight [2F, K] stacking gate's rows over
+    up's, as `swiglu_fits` checked: [M, F] bf16, bit for bit `q4_linear` followed by
+    `swiglu_triton.silu_mul` of its halves, in one launch. K is never split (its programs
+    would have to meet to add up both halves); the 27B gate|up product is not split anyway."""
+    return _launch(x, weight, swiglu=True)
+
+
+def _splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(splits of K, tiles per split) for the [N, K] product: enough programs for the listed
+    programs per SM, each split a whole number of tiles."""
+    block_n, _, per_sm = _config(n, k, device)
+    num_tiles = k // (GROUP * GROUPS)
+    blocks = triton.cdiv(n, block_n)
+    splits = max(1, min(num_tiles, round(per_sm * num_sms(device) / blocks)))
+    per_split = triton.cdiv(num_tiles, splits)
+    return triton.cdiv(num_tiles, per_split), per_split
+
+
+def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tensor:
     from ninfer.kernels.groupwise_gemv_triton import tile_counters
 
     codes, scales = weight.planes["codes"], weight.planes["scales"]
     m, k = x.shape
     n = weight.shape[0]
     num_tiles = k // (GROUP * GROUPS)
-    block_n, stages, per_sm = _config(n, k, x.device)
+    block_n, stages, _ = _config(n, k, x.device)
+    out_n = n // 2 if swiglu else n
     blocks = triton.cdiv(n, block_n)
-    splits = max(1, min(num_tiles, round(per_sm * num_sms(x.device) / blocks)))
-    per_split = triton.cdiv(num_tiles, splits)
-    splits = triton.cdiv(num_tiles, per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    splits, per_split = (1, num_tiles) if swiglu else _splits(n, k, x.device)
+    out = torch.empty(m, out_n, dtype=x.dtype, device=x.device)
     counters = tile_counters(x.device, blocks) if splits > 1 else None
     partial = out
     if splits > 1:
         partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _q4_tc_kernel[(blocks, splits)](
-        *_descriptors(x, codes, scales, block_n),
+        *_descriptors(x, codes, scales, block_n, swiglu),
         partial if splits > 1 and counters is None else out,
         partial,
         counters if counters is not None else out,
         m,
-        n,
+        out_n,
         per_split,
         num_tiles,
         BN=block_n,
@@ -443,6 +565,7 @@ def q4_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
         STAGES=stages,
         SPLIT_K=counters is not None,
         WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
+        SWIGLU=swiglu,
         num_warps=4,
         **pdl_options(x.device),
     )

@@ -111,3 +111,104 @@ def test_gluon_q4_product_at_every_setting(monkeypatch, setting, n, k):
         monkeypatch.setattr(groupwise_gemv_gluon, name, value)
     torch.manual_seed(5)
     check_groupwise_linear(groupwise_gemv_triton, Q4, 6, n, k, torch.bfloat16, "cuda", 4e-3)
+
+
+def _swiglu_then(x, weight):
+    """The two-launch form `q4_swiglu_linear` replaces: the product, then `silu_mul`."""
+    from ninfer.kernels import groupwise_gemv_gluon, swiglu_triton
+
+    gate, up = groupwise_gemv_gluon.q4_linear(x, weight).chunk(2, dim=-1)
+    return swiglu_triton.silu_mul(gate, up)
+
+
+def _unsplit(monkeypatch):
+    """No K split for any product (the SwiGLU form never splits; a split product sums in
+    another order), at the default rows and slots."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    monkeypatch.setattr(groupwise_gemv_gluon, "TUNED", {})
+    monkeypatch.setattr(groupwise_gemv_gluon, "PROGRAMS_PER_SM", 0)
+
+
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize(
+    ("n", "k"), [(34816, 5120), (2 * 1000, 1024), (2 * 70, 512), (2 * 2048, 4096)], ids=str
+)
+def test_gluon_swiglu_product_is_the_product_then_silu_mul(monkeypatch, n, k, m):
+    """Bit for bit the two launches it replaces, at the 27B gate|up and at halves that do not
+    fill a program's rows (1000, 70: 32 a program), and near the fp32 SwiGLU."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    _unsplit(monkeypatch)
+    torch.manual_seed(m + n)
+    weight = get_format(Q4).encode(torch.randn(n, k, device="cuda") * 0.05)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    assert groupwise_gemv_gluon.swiglu_fits(x, weight)
+    out = groupwise_gemv_gluon.q4_swiglu_linear(x, weight)
+    assert out.shape == (m, n // 2) and out.dtype == torch.bfloat16
+    assert torch.equal(out, _swiglu_then(x, weight))
+    gate, up = (x.float() @ weight.decode(torch.float32).T).chunk(2, dim=-1)
+    assert relative_error(out, torch.nn.functional.silu(gate) * up) < 8e-3
+
+
+def test_gluon_swiglu_product_takes_the_27b_gate_up_and_no_split_product():
+    """At the shipped settings the 27B gate|up product is not split, so the SwiGLU form takes
+    it; a product the plain kernel would split keeps the two launches."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    x = torch.randn(8, 5120, device="cuda").to(torch.bfloat16)
+    gate_up = get_format(Q4).encode(torch.randn(34816, 5120, device="cuda") * 0.05)
+    assert groupwise_gemv_gluon.swiglu_fits(x, gate_up)
+    small = get_format(Q4).encode(torch.randn(2 * 1000, 1024, device="cuda") * 0.05)
+    assert not groupwise_gemv_gluon.swiglu_fits(x[:, :1024], small)  # 32 row blocks: K split
+    odd = get_format(Q4).encode(torch.randn(34815, 5120, device="cuda") * 0.05)
+    assert not groupwise_gemv_gluon.swiglu_fits(x, odd)
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("setting", [(64, 2), (64, 4), (128, 3)])
+def test_gluon_swiglu_product_at_every_setting(monkeypatch, pdl, setting):
+    """Rows per program, ring slots, PDL on and off, weights before the wait or after it."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    monkeypatch.setenv("NINFER_PDL", pdl)
+    _unsplit(monkeypatch)
+    monkeypatch.setattr(groupwise_gemv_gluon, "BLOCK_N", setting[0])
+    monkeypatch.setattr(groupwise_gemv_gluon, "STAGES", setting[1])
+    torch.manual_seed(6)
+    weight = get_format(Q4).encode(torch.randn(2 * 1500, 2048, device="cuda") * 0.05)
+    x = torch.randn(7, 2048, device="cuda").to(torch.bfloat16)
+    expected = _swiglu_then(x, weight)
+    for first in (True, False):
+        monkeypatch.setattr(groupwise_gemv_gluon, "WEIGHTS_BEFORE_WAIT", first)
+        assert torch.equal(groupwise_gemv_gluon.q4_swiglu_linear(x, weight), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 12])
+def test_mlp_runs_its_swiglu_in_the_product_at_two_to_eight_rows(monkeypatch, rows):
+    """An MLP with q4 weights: at two to eight rows one launch does gate|up and the SwiGLU,
+    elsewhere the product and `silu_mul`; the results are the same bits either way."""
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.models.layers import mlp as mlp_module
+    from ninfer.models.layers.linear import GroupwiseLinear
+
+    _unsplit(monkeypatch)
+    torch.manual_seed(rows)
+    hidden, inner = 1024, 1536
+    layer = mlp_module.MLP(hidden, inner)
+    for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden))):
+        encoded = get_format(Q4).encode(torch.randn(*shape) * 0.05)
+        encoded.planes = {key: plane.cuda() for key, plane in encoded.planes.items()}
+        setattr(layer, name, GroupwiseLinear(encoded))
+    layer.down_proj = layer.down_proj.to("cuda", torch.bfloat16)
+    assert layer.fuse_projections() == ["gate_up_proj"]
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+    calls = []
+    real = groupwise_gemv_gluon.q4_swiglu_linear
+    monkeypatch.setattr(
+        groupwise_gemv_gluon, "q4_swiglu_linear", lambda *a: calls.append(1) or real(*a)
+    )
+    fused = layer(x)
+    assert len(calls) == (1 if 2 <= rows <= 8 else 0)
+    monkeypatch.setattr(mlp_module, "takes_swiglu_linear", lambda x, weight: False)
+    assert torch.equal(fused, layer(x))

@@ -58,3 +58,36 @@ def test_cpu_tensors_keep_the_other_kernels():
 
     weight = get_format("q4_g64_fp16").encode(torch.randn(64, 512) * 0.05)
     assert not groupwise_gemv_gluon.fits(torch.randn(8, 512).bfloat16(), weight)
+
+
+def test_the_halves_view_puts_gate_rows_over_the_same_up_rows():
+    """`weight_views(halves=True)`: word [t, h, f] is word t of row h * F + f, and scale
+    [h, f, g] group g's scale of that row, so a box of rows f .. f + B/2 of both halves holds
+    the gate and up rows of the same outputs."""
+    from ninfer.kernels.groupwise_gemv_gluon import weight_views
+    from ninfer.quant import get_format
+
+    f, k = 24, 1024
+    weight = get_format("q4_g64_fp16").encode(torch.randn(2 * f, k) * 0.05)
+    codes, scales = weight.planes["codes"], weight.planes["scales"]
+    words, scale_view = weight_views(codes, scales, halves=True)
+    flat = codes.view(torch.int32)
+    assert words.shape == (k // GROUP, 2, f, 8) and scale_view.shape == (2, f, k // GROUP)
+    for t, h, row in ((0, 0, 0), (3, 1, 5), (15, 1, f - 1), (7, 0, 11)):
+        assert torch.equal(words[t, h, row], flat[h * f + row, 8 * t : 8 * t + 8])
+        assert torch.equal(scale_view[h, row], scales[h * f + row])
+    plain, same = weight_views(codes, scales, halves=False)
+    assert torch.equal(plain[2, 30], flat[30, 16:24]) and same is scales
+
+
+def test_swiglu_linear_on_the_cpu_is_the_product_then_silu():
+    from ninfer.kernels import dispatch, groupwise_gemv
+    from ninfer.quant import get_format
+
+    weight = get_format("q4_g64_fp16").encode(torch.randn(2 * 96, 512) * 0.05)
+    x = torch.randn(4, 512)
+    assert not dispatch.takes_swiglu_linear(x.bfloat16(), weight)
+    gate, up = groupwise_gemv.groupwise_linear(x, weight).chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.equal(dispatch.swiglu_linear(x, weight), expected)
+    assert torch.equal(groupwise_gemv.swiglu_linear(x, weight), expected)

@@ -184,6 +184,12 @@ def cases():
         weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
         groupwise_gemv_gluon.q4_linear(torch.randn(m, k, dtype=BF16), weight)
 
+    def gluon_q4_swiglu(m: int, n: int, k: int) -> None:
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
+        groupwise_gemv_gluon.q4_swiglu_linear(torch.randn(m, k, dtype=BF16), weight)
+
     def x_split_producers():
         x = torch.randn(1, 5120, dtype=BF16)
         rms_norm_triton.rms_norm(x, torch.randn(5120, dtype=BF16), 1e-6, x.clone(), split)
@@ -305,6 +311,7 @@ def cases():
             groupwise_gemv_triton, q4, 8, 512, 17408, BF16, cpu, 1e-2)),
         ("tensor-core gemv q4 in gluon", lambda: gluon_q4(8, 34816, 5120)),
         ("tensor-core gemv q4 in gluon, split-K", lambda: gluon_q4(3, 5120, 17408)),
+        ("tensor-core gemv q4 in gluon, swiglu", lambda: gluon_q4_swiglu(8, 34816, 5120)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),

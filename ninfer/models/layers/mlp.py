@@ -1,12 +1,13 @@
 """SwiGLU MLP: down(silu(gate(x)) * up(x)). After loading, `fuse_projections` runs gate_proj
-and up_proj as one linear (the names load the weights)."""
+and up_proj as one linear (the names load the weights); where that linear stays encoded and
+the kernel takes it, the SwiGLU runs in the product's epilogue (`dispatch.swiglu_linear`)."""
 
 import torch
 from torch import nn
 
-from ninfer.kernels.dispatch import silu_mul
+from ninfer.kernels.dispatch import silu_mul, swiglu_linear, takes_swiglu_linear
 from ninfer.kernels.x_split import SplitRequest
-from ninfer.models.layers.linear import FusedLinear, fuse_into
+from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, fuse_into
 
 
 class MLP(nn.Module):
@@ -27,6 +28,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x)
+            return self.down_proj(silu_mul(gate, up, self.down_split))
+        stacked = self.gate_up_proj.linear
+        if isinstance(stacked, GroupwiseLinear) and takes_swiglu_linear(x, stacked.encoded):
+            # one launch for both products and the SwiGLU; its rows (2 to 8) are more than
+            # down_split is ever wanted for (`x_split.INT_MAX_ROWS`)
+            return self.down_proj(swiglu_linear(x, stacked.encoded))
+        gate, up = self.gate_up_proj(x)
         return self.down_proj(silu_mul(gate, up, self.down_split))
