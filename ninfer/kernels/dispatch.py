@@ -330,7 +330,21 @@ def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
 
         if weight.format in groupwise_gemv_triton.SUPPORTED:
             return groupwise_gemv_triton.groupwise_linear(x, weight)
+        if takes_q6_linear(x, weight):
+            from ninfer.kernels import groupwise_gemv_gluon
+
+            return groupwise_gemv_gluon.q6_linear(x, weight)
     return gemv_reference.groupwise_linear(x, weight)
+
+
+def takes_q6_linear(x: torch.Tensor, weight: EncodedTensor) -> bool:
+    """Whether `groupwise_linear` reads this q6_g64 weight as stored: two to eight bf16 rows on
+    a Hopper GPU (the Gluon kernel). One row is the integer GEMV's (`integer_linear`)."""
+    if weight.format != "q6_g64_fp16" or not use_triton(x, *weight.planes.values()):
+        return False
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    return groupwise_gemv_gluon.fits(x, weight)
 
 
 def swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:

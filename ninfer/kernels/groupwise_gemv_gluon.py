@@ -73,6 +73,8 @@ TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
         (5120, 17408): (64, 4, 2),  # 27B MLP down: 19.5 -> 18.7 us
         (12288, 5120): (64, 4, 2),  # 27B attention q|gate: 13.6 -> 13.3 us
         (9216, 2048): (64, 2, 2),  # 35B-A3B attention q|gate|k|v: 9.7 -> 7.8 us
+        (248320, 5120): (64, 2, 2),  # 27B q6 head: 360.3 -> 338.5 us at eight rows
+        (248320, 2048): (64, 2, 2),  # 35B-A3B q6 head: 150.6 -> 139.6 us
     },
 }
 # The dims a group's values are permuted by on their way into the operands, from
@@ -122,6 +124,36 @@ sub.rn.bf16x2 $3, p3, bias;
 }
 """
     )
+    # q6: $5 holds the word's high bits, value q's at bits 2q and value q + 4's at 16 + 2q
+    # (`_high_bits`). Per pair, those two bits go under the nibbles at bits 4-5 and 20-21, with
+    # the top one flipped: 0x4300 | (code6 xor 32) is the bf16 of 160 + the signed code.
+    _Q6_PAIRS_PTX = gl.constexpr(
+        """
+{
+.reg .b32 t1, t2, t3, h0, h1, h3;
+.reg .b32 m0, m1, m2, m3, p0, p1, p2, p3, bias;
+mov.b32 bias, 0x43204320;
+shr.u32 t1, $4, 4;
+shr.u32 t2, $4, 8;
+shr.u32 t3, $4, 12;
+shl.b32 h0, $5, 4;
+shl.b32 h1, $5, 2;
+shr.u32 h3, $5, 2;
+lop3.b32 m0, h0, 0x00300030, 0x43204320, 0x6a;
+lop3.b32 m1, h1, 0x00300030, 0x43204320, 0x6a;
+lop3.b32 m2, $5, 0x00300030, 0x43204320, 0x6a;
+lop3.b32 m3, h3, 0x00300030, 0x43204320, 0x6a;
+lop3.b32 p0, $4, 0x000F000F, m0, 0xea;
+lop3.b32 p1, t1, 0x000F000F, m1, 0xea;
+lop3.b32 p2, t2, 0x000F000F, m2, 0xea;
+lop3.b32 p3, t3, 0x000F000F, m3, 0xea;
+sub.rn.bf16x2 $0, p0, bias;
+sub.rn.bf16x2 $1, p1, bias;
+sub.rn.bf16x2 $2, p2, bias;
+sub.rn.bf16x2 $3, p3, bias;
+}
+"""
+    )
 
     @gluon.jit
     def _await_inputs(PDL: gl.constexpr):
@@ -148,19 +180,41 @@ sub.rn.bf16x2 $3, p3, bias;
         )
 
     @gluon.jit
-    def _weight_operand(words, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
-        """Code words [BN, 8] of one group (thread t of a row quad holds words 2t + h) to the
-        group's exact integer codes [BN, 64] in the MMA's A operand layout. Operand column
-        32h + 16q1 + 8q0 + 2t + e holds word 2t + h's value q + 4e (q = 2q1 + q0), i.e.
-        column 16t + 8h + 4e + 2q1 + q0 of the group (`_x_operand` reads x by the same map)."""
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(
-            _PAIRS_PTX,
-            "=r,=r,=r,=r,r",
-            [words],
-            dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
+    def _high_bits(high, W_LAYOUT: gl.constexpr):
+        """A q6 group's high-bit words [BN, 4] (thread t of a row quad holds word t: bits 2u,
+        2u + 1 are bits 4-5 of the thread's value u = 0..15) as [BN, 8] beside the code words:
+        for word 2t + h, bytes 2h and 2h + 1 of word t at bytes 0 and 2, so that its value q's
+        bits sit at 2q and value q + 4's at 16 + 2q."""
+        low = (high & 0xFF) | ((high & 0xFF00) << 8)
+        high = ((high >> 16) & 0xFF) | ((high >> 8) & 0xFF0000)
+        both = gl.reshape(gl.join(low, high), [high.shape[0], 8])
+        return gl.convert_layout(both, W_LAYOUT, assert_trivial=True)
+
+    @gluon.jit
+    def _weight_operand(words, high, BN: gl.constexpr, A_LAYOUT: gl.constexpr, Q6: gl.constexpr):
+        """Code words [BN, 8] of one group (thread t of a row quad holds words 2t + h; with Q6
+        also their high bits, `_high_bits`) to the group's exact integer codes [BN, 64] in the
+        MMA's A operand layout. Operand column 32h + 16q1 + 8q0 + 2t + e holds word 2t + h's
+        value q + 4e (q = 2q1 + q0), i.e. column 16t + 8h + 4e + 2q1 + q0 of the group
+        (`_x_operand` reads x by the same map)."""
+        if Q6:
+            p0, p1, p2, p3 = gl.inline_asm_elementwise(
+                _Q6_PAIRS_PTX,
+                "=r,=r,=r,=r,r,r",
+                [words, high],
+                dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            p0, p1, p2, p3 = gl.inline_asm_elementwise(
+                _PAIRS_PTX,
+                "=r,=r,=r,=r,r",
+                [words],
+                dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                is_pure=True,
+                pack=1,
+            )
         low = gl.join(_bf16_pair(p0), _bf16_pair(p1))  # [BN, 8, e, q0], q1 = 0
         high = gl.join(_bf16_pair(p2), _bf16_pair(p3))
         values = gl.join(low, high)  # [BN, 8, e, q0, q1]
@@ -201,12 +255,13 @@ sub.rn.bf16x2 $3, p3, bias;
         WEIGHTS: gl.constexpr,
         X: gl.constexpr,
         HALVES: gl.constexpr,
+        Q6: gl.constexpr,
     ):
-        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS) and x's tile (X) into ring
-        slot `slot`, counted by its mbarrier. With HALVES the weight is [gate; up] seen as two
-        halves (`_descriptors`) and n0 a row of each."""
-        x_desc, w_desc, s_desc = descs
-        x_ring, w_ring, s_ring = rings
+        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS; with Q6 the high bits too) and
+        x's tile (X) into ring slot `slot`, counted by its mbarrier. With HALVES the weight is
+        [gate; up] seen as two halves (`_descriptors`) and n0 a row of each."""
+        x_desc, w_desc, s_desc, h_desc = descs
+        x_ring, w_ring, s_ring, h_ring = rings
         groups: gl.constexpr = w_desc.block_type.shape[0]
         bar = ready.index(slot)
         if WEIGHTS:
@@ -216,6 +271,8 @@ sub.rn.bf16x2 $3, p3, bias;
             else:
                 _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
                 _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+            if Q6:
+                _tma_load(h_desc, [tile * groups, n0, 0], bar, h_ring.index(slot), pred=pred)
         if X:
             _tma_load(x_desc, [tile * groups, 0, 0], bar, x_ring.index(slot), pred=pred)
 
@@ -246,6 +303,7 @@ sub.rn.bf16x2 $3, p3, bias;
         x_desc,
         w_desc,
         s_desc,
+        h_desc,
         out_ptr,
         partial_ptr,
         counters_ptr,
@@ -260,12 +318,14 @@ sub.rn.bf16x2 $3, p3, bias;
         WEIGHTS_FIRST: gl.constexpr,
         PDL: gl.constexpr,
         SWIGLU: gl.constexpr,
+        Q6: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
         n's counter (then reset by it) adds the partials up and writes out. With SWIGLU, W is
         [gate; up] (2N rows): a program's BN rows are gate's rows n0 .. n0 + BN/2 over up's
-        same rows, and out[M, N] = silu(gate product) * up product."""
+        same rows, and out[M, N] = silu(gate product) * up product. With Q6, W is q6_g64:
+        the same codes plane and scales as q4_g64, and h_desc its high bits."""
         R: gl.constexpr = BN // 64  # 16-row blocks per warp
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
@@ -329,22 +389,49 @@ sub.rn.bf16x2 $3, p3, bias;
         else:
             w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
             s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
+        if Q6:  # a group's four words of high bits per row
+            h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
+            # thread t of a row quad: high word t of its rows
+            H_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=ROWS_REG,
+                lane_bases=[[0, 1], [0, 2]] + ROWS_LANE,
+                warp_bases=ROWS_WARP,
+                block_bases=[],
+                shape=[BN, 4],
+            )
+        else:
+            h_ring = w_ring
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        descs = (x_desc, w_desc, s_desc)
-        rings = (x_ring, w_ring, s_ring)
+        descs = (x_desc, w_desc, s_desc, h_desc)
+        rings = (x_ring, w_ring, s_ring, h_ring)
         nbytes: gl.constexpr = (
-            x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+            x_desc.block_type.nbytes
+            + w_desc.block_type.nbytes
+            + s_desc.block_type.nbytes
+            + (h_desc.block_type.nbytes if Q6 else 0)
         )
         for i in gl.static_range(STAGES - 1):
             mbarrier.expect(ready.index(i), nbytes, pred=i < count)
             if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
-                _issue_tile(descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU)
+                _issue_tile(
+                    descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
+                )
         _await_inputs(PDL)
         for i in gl.static_range(STAGES - 1):
             _issue_tile(
-                descs, rings, ready, i, first + i, n0, i < count, not WEIGHTS_FIRST, True, SWIGLU
+                descs,
+                rings,
+                ready,
+                i,
+                first + i,
+                n0,
+                i < count,
+                not WEIGHTS_FIRST,
+                True,
+                SWIGLU,
+                Q6,
             )
 
         acc = gl.zeros([BN, 8], gl.float32, MMA)
@@ -366,6 +453,7 @@ sub.rn.bf16x2 $3, p3, bias;
                 True,
                 True,
                 SWIGLU,
+                Q6,
             )
 
             slot = j % STAGES
@@ -374,8 +462,15 @@ sub.rn.bf16x2 $3, p3, bias;
             ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
             scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
             scales = scales.load(S_LAYOUT).to(gl.float32)
+            if Q6:
+                hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
             for g in gl.static_range(GROUPS):
-                a = _weight_operand(ws.slice(g * BN, BN).load(W_LAYOUT), BN, A_LAYOUT)
+                words = ws.slice(g * BN, BN).load(W_LAYOUT)
+                if Q6:
+                    high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
+                else:
+                    high = words
+                a = _weight_operand(words, high, BN, A_LAYOUT, Q6)
                 b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
                 product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
                 scale = gl.convert_layout(
@@ -415,11 +510,14 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+FORMATS = ("q4_g64_fp16", "q6_g64_fp16")
+
+
 def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
-    """Whether `q4_linear` takes this product: q4_g64 weights, 2..8 bf16 x rows on a Hopper or
-    later GPU, K a multiple of 512 (TMA needs the scales' rows 16-byte aligned) and every
-    plane and x aligned for TMA."""
-    if gluon is None or weight.format != "q4_g64_fp16" or x.dtype != torch.bfloat16:
+    """Whether `q4_linear` (`q6_linear`) takes this product: q4_g64 (q6_g64) weights, 2..8 bf16
+    x rows on a Hopper or later GPU, K a multiple of 512 (TMA needs the scales' rows 16-byte
+    aligned) and every plane and x aligned for TMA."""
+    if gluon is None or weight.format not in FORMATS or x.dtype != torch.bfloat16:
         return False
     if not (x.is_cuda and 2 <= x.shape[0] <= MAX_ROWS and x.dim() == 2):
         return False
@@ -427,9 +525,13 @@ def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
     if not _hopper(index):
         return False
     codes, scales = weight.planes["codes"], weight.planes["scales"]
+    high = weight.planes.get("high", codes)
     k = weight.shape[-1]
     return (
         k % (GROUP * GROUPS) == 0
+        and high.stride(-1) == 1
+        and high.stride(0) % 16 == 0
+        and high.data_ptr() % 16 == 0
         and x.shape[1] == k == codes.shape[-1] * 2
         and x.stride(-1) == 1
         and x.stride(0) % 8 == 0
@@ -453,7 +555,12 @@ def swiglu_fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
     (gate's over up's), where `q4_linear` would not split K either (so both forms run the same
     programs and give the same bits; the 27B gate|up product has 544 row blocks)."""
     n, k = weight.shape
-    return n % 2 == 0 and fits(x, weight) and _splits(n, k, x.device)[0] == 1
+    return (
+        weight.format == "q4_g64_fp16"
+        and n % 2 == 0
+        and fits(x, weight)
+        and _splits(n, k, x.device)[0] == 1
+    )
 
 
 def weight_views(
@@ -511,8 +618,29 @@ def _descriptors(
     )
 
 
+def _high_descriptor(high: torch.Tensor, block_n: int):
+    """q6's high bits [N, K/4] bytes as int32 words [K/64, N, 4] (a group's four words per
+    row), a box of GROUPS groups of block_n rows."""
+    words = high.view(torch.int32)
+    n, k = high.shape[0], high.shape[1] * 4
+    w = words.as_strided((k // GROUP, n, 4), (4, words.stride(0), 1))
+    return TensorDescriptor(
+        w,
+        list(w.shape),
+        list(w.stride()),
+        [GROUPS, block_n, 4],
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3),
+    )
+
+
 def q4_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
     """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits` checked: [M, N] bf16."""
+    return _launch(x, weight, swiglu=False)
+
+
+def q6_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 8) times a q6_g64 weight [N, K] as `fits` checked: [M, N] bf16. The
+    27B head read as stored, 0.99 GB a step instead of the 1.35 GB of its q8_g32 widening."""
     return _launch(x, weight, swiglu=False)
 
 
@@ -551,8 +679,13 @@ def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tenso
     partial = out
     if splits > 1:
         partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    q6 = weight.format == "q6_g64_fp16"
+    x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(blocks, splits)](
-        *_descriptors(x, codes, scales, block_n, swiglu),
+        x_desc,
+        w_desc,
+        s_desc,
+        _high_descriptor(weight.planes["high"], block_n) if q6 else w_desc,
         partial if splits > 1 and counters is None else out,
         partial,
         counters if counters is not None else out,
@@ -566,6 +699,7 @@ def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tenso
         SPLIT_K=counters is not None,
         WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
         SWIGLU=swiglu,
+        Q6=q6,
         num_warps=4,
         **pdl_options(x.device),
     )

@@ -212,3 +212,63 @@ def test_mlp_runs_its_swiglu_in_the_product_at_two_to_eight_rows(monkeypatch, ro
     assert len(calls) == (1 if 2 <= rows <= 8 else 0)
     monkeypatch.setattr(mlp_module, "takes_swiglu_linear", lambda x, weight: False)
     assert torch.equal(fused, layer(x))
+
+
+Q6 = "q6_g64_fp16"
+
+
+@pytest.mark.parametrize("m", [2, 8])
+@pytest.mark.parametrize(
+    ("n", "k"), [(248320, 5120), (248320, 2048), (1000, 512), (70, 1024)], ids=str
+)
+def test_gluon_q6_product(monkeypatch, n, k, m):
+    """The q6 heads of both models read as stored, and rows that leave a block part full."""
+    from ninfer.kernels import dispatch, groupwise_gemv_gluon
+
+    calls = []
+    real = groupwise_gemv_gluon.q6_linear
+    monkeypatch.setattr(groupwise_gemv_gluon, "q6_linear", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(m + k)
+    weight = get_format(Q6).encode(torch.randn(n, k, device="cuda") * 0.05)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    out = dispatch.groupwise_linear(x, weight)
+    assert calls == [1] and out.shape == (m, n) and out.dtype == torch.bfloat16
+    exact = x.float() @ weight.decode(torch.float32).T
+    assert relative_error(out, exact) < 4e-3
+
+
+def test_gluon_q6_product_reads_every_code():
+    """Codes drawn from all of -31 .. 31 with scale 1 (each group holds a 31): the product is
+    the exact integer one, within the output's bf16 rounding."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(-31, 32, (256, 2048), generator=generator)
+    codes[:, ::64] = 31
+    weight = get_format(Q6).encode(codes.float().cuda())
+    assert torch.equal(weight.decode(torch.float32).cpu(), codes.float())
+    x = torch.randn(8, 2048, generator=generator).cuda().to(torch.bfloat16)
+    out = groupwise_gemv_gluon.q6_linear(x, weight)
+    exact = x.double() @ codes.double().cuda().T
+    assert torch.allclose(out.double(), exact, rtol=2**-8, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9])
+def test_a_q6_head_reads_its_stored_weight_at_one_to_eight_rows(monkeypatch, rows):
+    """`GroupwiseLinear` with a q6 weight kept as stored beside its q8 widening: one row takes
+    the integer GEMV, two to eight the Gluon kernel, more the widened weight; all agree."""
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.models.layers.linear import GroupwiseLinear
+    from ninfer.quant.groupwise import widen_to_q8
+
+    calls = []
+    real = groupwise_gemv_gluon.q6_linear
+    monkeypatch.setattr(groupwise_gemv_gluon, "q6_linear", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(rows)
+    stored = get_format(Q6).encode(torch.randn(3000, 2048, device="cuda") * 0.05)
+    layer = GroupwiseLinear(widen_to_q8(stored), one_row=stored)
+    x = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
+    out = layer(x)
+    assert len(calls) == (1 if 2 <= rows <= 8 else 0)
+    exact = x.float() @ stored.decode(torch.float32).T
+    assert relative_error(out, exact) < 4e-3

@@ -91,3 +91,73 @@ def test_swiglu_linear_on_the_cpu_is_the_product_then_silu():
     expected = torch.nn.functional.silu(gate) * up
     assert torch.equal(dispatch.swiglu_linear(x, weight), expected)
     assert torch.equal(groupwise_gemv.swiglu_linear(x, weight), expected)
+
+
+def _lop3(a: torch.Tensor, b: int, c, lut: int) -> torch.Tensor:
+    """PTX lop3.b32 on int64 tensors holding 32-bit words, for the two tables the kernel uses."""
+    if lut == 0x6A:  # (a & b) ^ c
+        return (a & b) ^ c
+    assert lut == 0xEA  # (a & b) | c
+    return (a & b) | c
+
+
+def _bf16_halves(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def value(half):
+        return (half.to(torch.int32) << 16).view(torch.float32)
+
+    return value(word & 0xFFFF), value((word >> 16) & 0xFFFF)
+
+
+def test_the_q6_pairs_are_the_codes_of_values_q_and_q_plus_4():
+    """The q6 unpack as the kernel does it, its PTX (`_Q6_PAIRS_PTX`) and `_high_bits` written
+    out on integers: for thread t's code word 2t + h and high word t of a group, pair q holds
+    the signed codes of the thread's values 8h + q and 8h + q + 4 (group columns 16t + ...),
+    for random q6 weights with codes over the whole range."""
+    from ninfer.quant import get_format
+
+    fmt = get_format("q6_g64_fp16")
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(-31, 32, (16, 256), generator=generator)
+    codes[:, ::64] = 31
+    planes = fmt.encode(codes.float()).planes
+    assert torch.equal(fmt.unpack_codes(planes).long(), codes)
+    words = planes["codes"].view(torch.int32).long() & 0xFFFFFFFF  # [rows, K/8]
+    highs = planes["high"].view(torch.int32).long() & 0xFFFFFFFF  # [rows, K/16]
+    mask = 0xFFFFFFFF
+    for group in range(codes.shape[1] // GROUP):
+        for t in range(4):
+            hw = highs[:, 4 * group + t]
+            selected = [
+                (hw & 0xFF) | ((hw & 0xFF00) << 8),  # word 2t: bytes 0, 1 of high word t
+                ((hw >> 16) & 0xFF) | ((hw >> 8) & 0xFF0000),  # word 2t + 1: bytes 2, 3
+            ]
+            for h in range(2):
+                w, hs = words[:, 8 * group + 2 * t + h], selected[h]
+                shifted_high = [(hs << 4) & mask, (hs << 2) & mask, hs, hs >> 2]
+                for q in range(4):
+                    m = _lop3(shifted_high[q], 0x00300030, 0x43204320, 0x6A)
+                    pair = _lop3(w >> (4 * q), 0x000F000F, m, 0xEA)
+                    low, high = _bf16_halves(pair)
+                    column = 64 * group + 16 * t + 8 * h + q
+                    assert torch.equal(low - 160, codes[:, column].float())
+                    assert torch.equal(high - 160, codes[:, column + 4].float())
+
+
+def test_the_q6_pair_instructions_are_the_ones_emulated():
+    """The constants and tables of `_Q6_PAIRS_PTX` are those the emulation above uses."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    if groupwise_gemv_gluon.gluon is None:
+        import pytest
+
+        pytest.skip("this Triton has no Gluon")
+    ptx = groupwise_gemv_gluon._Q6_PAIRS_PTX.value
+    for line in (
+        "shl.b32 h0, $5, 4;",
+        "shl.b32 h1, $5, 2;",
+        "shr.u32 h3, $5, 2;",
+        "lop3.b32 m2, $5, 0x00300030, 0x43204320, 0x6a;",
+        "lop3.b32 p3, t3, 0x000F000F, m3, 0xea;",
+        "mov.b32 bias, 0x43204320;",
+    ):
+        assert line in ptx

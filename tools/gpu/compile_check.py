@@ -184,6 +184,12 @@ def cases():
         weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
         groupwise_gemv_gluon.q4_linear(torch.randn(m, k, dtype=BF16), weight)
 
+    def gluon_q6(m: int, n: int, k: int) -> None:
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        weight = get_format("q6_g64_fp16").encode(torch.randn(n, k) * 0.05)
+        groupwise_gemv_gluon.q6_linear(torch.randn(m, k, dtype=BF16), weight)
+
     def gluon_q4_swiglu(m: int, n: int, k: int) -> None:
         from ninfer.kernels import groupwise_gemv_gluon
 
@@ -312,6 +318,7 @@ def cases():
         ("tensor-core gemv q4 in gluon", lambda: gluon_q4(8, 34816, 5120)),
         ("tensor-core gemv q4 in gluon, split-K", lambda: gluon_q4(3, 5120, 17408)),
         ("tensor-core gemv q4 in gluon, swiglu", lambda: gluon_q4_swiglu(8, 34816, 5120)),
+        ("tensor-core gemv q6 in gluon", lambda: gluon_q6(8, 248320, 5120)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),

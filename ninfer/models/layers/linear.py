@@ -8,8 +8,8 @@ into one transient buffer and run a dense matmul, which is compute-bound anyway.
 the weight source stores a supported format, or q5_g64/q6_g64 (the head of the groupwise-int
 profile), which are widened to q8_g32 holding the same values: read at 8.5 bits per weight
 instead of as a 16-bit dequantized matrix (the 27B head: 1.35 GB a step instead of 2.54). A
-q6 head is also kept as stored for one-row products, which the integer GEMV reads at 6.25
-bits (0.99 GB). It is used on CUDA in half precision only: the CPU path keeps every weight
+q6 head is also kept as stored for decode-sized products, read at 6.25 bits (0.99 GB): one row
+by the integer GEMV, two to eight by the Gluon kernel on Hopper. It is used on CUDA in half precision only: the CPU path keeps every weight
 dequantized at load, so it stays the exact reference.
 
 `fuse_linears` stacks the weight rows of linears that read one input into one `FusedLinear`
@@ -26,7 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels.dispatch import groupwise_dequant, groupwise_linear, integer_linear
+from ninfer.kernels.dispatch import (
+    groupwise_dequant,
+    groupwise_linear,
+    integer_linear,
+    takes_q6_linear,
+)
 from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.quant import EncodedTensor
 from ninfer.quant.groupwise import widen_to_q8
@@ -62,8 +67,10 @@ def _row_block(weight: EncodedTensor, start: int, end: int) -> EncodedTensor:
 
 
 class GroupwiseLinear(nn.Module):
-    """`one_row`: the same weight in a format only the integer GEMV reads (q6_g64 beside the
-    q8_g32 it widens to), which products of up to INT_MAX_ROWS rows read instead."""
+    """`one_row`: the same weight in a format only some kernels read (q6_g64 beside the q8_g32
+    it widens to), which products of up to INT_MAX_ROWS rows read instead (the integer GEMV),
+    and products of two to eight rows where the Gluon kernel takes them
+    (`dispatch.takes_q6_linear`)."""
 
     def __init__(self, encoded: EncodedTensor, one_row: EncodedTensor | None = None) -> None:
         super().__init__()
@@ -112,6 +119,8 @@ class GroupwiseLinear(nn.Module):
         one_row = self.one_row
         if one_row is not None and 0 < x.shape[0] <= INT_MAX_ROWS:
             return integer_linear(x.contiguous(), one_row)
+        if one_row is not None and takes_q6_linear(x, one_row):
+            return groupwise_linear(x, one_row)
         return encoded_linear(x, self.encoded)
 
     def extra_repr(self) -> str:
@@ -127,7 +136,8 @@ class GroupwiseLinear(nn.Module):
 GEMV_FORMATS = frozenset({"q8_g32_fp16", "q4_g64_fp16"})
 # Kept encoded too, widened to q8_g32 (`quant.groupwise.widen_to_q8`).
 WIDENED_FORMATS = frozenset({"q5_g64_fp16", "q6_g64_fp16"})
-# ... and those of them also kept as stored, for one-row products (`GroupwiseLinear.one_row`):
+# ... and those of them also kept as stored, for one- to eight-row products
+# (`GroupwiseLinear.one_row`):
 # the 27B head read at 6.25 bits a weight instead of 8.5 (0.99 GB a step instead of 1.35),
 # for 0.99 GB more memory.
 ONE_ROW_FORMATS = frozenset({"q6_g64_fp16"})
