@@ -639,6 +639,45 @@ def gluon_q4_settings() -> None:
     gluon_q4.TUNED = tuned
 
 
+def gluon_q6_head_settings() -> None:
+    """The 27B and 35B-A3B q6 heads at 8 and 2 x rows: the q8 widening through the Triton
+    tensor-core kernel, then the q6 weight as stored through the Gluon kernel at each setting."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_q4
+    from ninfer.quant.groupwise import widen_to_q8
+
+    copy = copy_bandwidth(DEVICE)
+    default, tuned = (gluon_q4.BLOCK_N, gluon_q4.STAGES), gluon_q4.TUNED
+    gluon_q4.TUNED = {}  # every product takes the setting swept
+    print(f"{'head':14} {'M':>2} {'kernel':>16} {'us':>7} {'of copy':>8} {'GB':>5}")
+    for n, k in ((248320, 5120), (248320, 2048)):
+        stored = Q6.encode(torch.randn(n, k, device=DEVICE) * 0.02)
+        wide = widen_to_q8(stored)
+        sizes = [
+            sum(p.numel() * p.element_size() for p in w.planes.values()) for w in (wide, stored)
+        ]
+        for m in (8, 2):
+            x = torch.randn(m, k, device=DEVICE, dtype=BF16)
+            rows = [
+                (
+                    "q8 triton",
+                    sizes[0],
+                    median_us(partial(groupwise_gemv_triton.groupwise_linear, x, wide)),
+                )
+            ]
+            for block_n, stages in ((64, 2), (64, 3), (64, 4), (128, 2)):
+                gluon_q4.BLOCK_N, gluon_q4.STAGES = block_n, stages
+                us = median_us(partial(gluon_q4.q6_linear, x, stored))
+                rows.append((f"q6 gluon {block_n}/{stages}", sizes[1], us))
+            gluon_q4.BLOCK_N, gluon_q4.STAGES = default
+            for label, nbytes, us in rows:
+                share = nbytes / (us * 1e-6) / copy
+                print(
+                    f"{f'{n}x{k}':14} {m:2d} {label:>16} {us:7.1f} {share:8.1%} {nbytes / 1e9:5.2f}"
+                )
+        del stored, wide
+    gluon_q4.TUNED = tuned
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-int4pack", action="store_true", help="only the one-token sweeps")

@@ -9,7 +9,8 @@ shape, so the tokens are wrong: read only the timing.
 
 KIND: gates (the GDN gates kernel: its own launch, or its programs in the conv's kernel),
 conv (the GDN causal conv), gatednorm (the GDN gated norm), norm (every RMS norm, the residual
-adds with them), swiglu (the dense MLP's SwiGLU), none. docs/performance.md, Measurement 24.
+adds with them), swiglu (the dense MLP's SwiGLU; where it runs in the gate|up product's
+epilogue, that product runs plain), none. docs/performance.md, Measurement 24.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def skip(kinds: set[str]) -> None:
             x if residual is None else (x, residual)
         )
     if "swiglu" in kinds:
+        mlp.takes_swiglu_linear = lambda x, weight: False
         mlp.silu_mul = lambda gate, up, split=None: gate
 
 
