@@ -1,4 +1,4 @@
-"""q4_g64 weights times two to eight bf16 x rows on Hopper's tensor cores, in Gluon.
+"""q4_g64 and q6_g64 weights times 2 to 8 bf16 x rows on Hopper's tensor cores, in Gluon.
 Our own because no library reads this layout, and at eight decode rows these products are
 about 80 % of the 27B step (docs/performance.md, Measurement 20). Gluon (Triton's explicit
 layout language) gives what plain Triton does not: the layout of every register tensor is
@@ -27,12 +27,15 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
 - Where the row blocks alone give too few programs, K is split; each split writes an fp32
   partial, and the split that arrives last at its row block's counter adds them up and
   writes the result (the Triton kernel's scheme and counters).
+- `q6_linear` reads a q6_g64 weight (the heads) the same way: its codes plane is q4's (the low
+  four bits) and a second TMA box brings the group's high-bit words, which `_Q6_PAIRS_PTX`
+  puts under each pair's nibbles (two more `lop3`s and a shift a pair).
 - `q4_swiglu_linear` runs an MLP's stacked gate|up weight with the SwiGLU in the epilogue: a
   program's rows are BN/2 of gate's over the same BN/2 of up's (one TMA box over the two
   halves seen as one more dim), and it writes silu(gate) * up, so the SwiGLU's launch and the
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 
-Reference: `groupwise_gemv.groupwise_linear`. Loop cost and timings: bench/decode_kernels.md,
+References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`. Loop cost and timings: bench/decode_kernels.md,
 "The q4 product at eight rows in Gluon".
 """
 
