@@ -35,8 +35,8 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
   halves seen as one more dim), and it writes silu(gate) * up, so the SwiGLU's launch and the
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 
-References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`. Loop cost and timings: bench/decode_kernels.md,
-"The q4 product at eight rows in Gluon".
+References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`. Loop cost and
+timings: bench/decode_kernels.md, "The q4 product at eight rows in Gluon".
 """
 
 from __future__ import annotations
