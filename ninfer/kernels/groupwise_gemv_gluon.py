@@ -368,7 +368,6 @@ sub.rn.bf16x2 $3, p3, bias;
         W_SHARED: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=0, element_bitwidth=32, rank=2
         )
-
         S_SHARED: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=0, element_bitwidth=16, rank=2
         )

@@ -9,8 +9,9 @@ the weight source stores a supported format, or q5_g64/q6_g64 (the head of the g
 profile), which are widened to q8_g32 holding the same values: read at 8.5 bits per weight
 instead of as a 16-bit dequantized matrix (the 27B head: 1.35 GB a step instead of 2.54). A
 q6 head is also kept as stored for decode-sized products, read at 6.25 bits (0.99 GB): one row
-by the integer GEMV, two to eight by the Gluon kernel on Hopper. It is used on CUDA in half precision only: the CPU path keeps every weight
-dequantized at load, so it stays the exact reference.
+by the integer GEMV, two to eight by the Gluon kernel on Hopper. It is used on CUDA in half
+precision only: the CPU path keeps every weight dequantized at load, so it stays the exact
+reference.
 
 `fuse_linears` stacks the weight rows of linears that read one input into one `FusedLinear`
 after loading, so a decode step launches one GEMV where it launched several (row_groups_v1
