@@ -152,11 +152,17 @@ def test_options_off_on_the_cpu_and_when_disabled(monkeypatch):
 def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
     """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way: before its
     top-level `_await_inputs(PDL)` it only asks TMA for codes and scales (an `_issue_tile`
-    whose x flag, the last argument, is False), which no kernel writes; x's tiles, the loop and
-    every store come after the wait. Its launch passes `pdl_options`."""
+    whose x flag, its parameter `X`, is False), which no kernel writes; x's tiles, the loop
+    and every store come after the wait. Its launch passes `pdl_options`."""
     source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
     tree = ast.parse(source)
     (kernel,) = [fn for fn in _jit_kernels(tree) if fn.name == "_q4_tc_kernel"]
+    (issue,) = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "_issue_tile"
+    ]
+    x_flag = [a.arg for a in issue.args.args].index("X")
     assert "PDL" in [a.arg for a in kernel.args.args]
     waits = [
         i
@@ -173,7 +179,7 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
     ]
     assert issues, "the weights are asked for before the wait"
     for call in issues:
-        assert ast.unparse(call.args[-1]) == "False", ast.unparse(call)
+        assert ast.unparse(call.args[x_flag]) == "False", ast.unparse(call)
     called = [
         ast.unparse(node.func)
         for statement in before
