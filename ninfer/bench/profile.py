@@ -26,12 +26,13 @@ NAME_WIDTH = 90
 # `_write_kernel` for the K/V write, ...), fla's GDN prefill kernels after their stages; on the
 # CPU the names are torch operators (`aten::mm`, `aten::conv1d`, ...).
 CATEGORIES: dict[str, str] = {
-    "gemv": "groupwise_gemv",
+    "gemv": "groupwise_gemv _q4_tc_kernel _quantize_x_kernel",
     "matmul": "gemm gemv sm90_xmma cutlass nvjet dequant aten::mm addmm",
     "attention": "attention attn flash sdpa _decode_split _decode_merge _prefill_kernel "
     "_write_kernel",
-    "gdn": "chunk_ recurrent gated_delta solve_tril merge_16x16 recompute_w_u",
-    "conv": "conv1d convolution",
+    "gdn": "chunk_ recurrent gated_delta solve_tril merge_16x16 recompute_w_u gdn_gates",
+    "conv": "conv1d convolution conv_and_gates",
+    "moe": "_moe_",
     "norm": "norm",
     "copy": "memcpy memset",
 }

@@ -99,6 +99,9 @@ def test_profiling_switches_graphs_off_for_the_run_only():
     ("name", "expected"),
     [
         ("_groupwise_gemv_kernel", "gemv"),
+        ("_groupwise_gemv_int_kernel", "gemv"),
+        ("_q4_tc_kernel", "gemv"),  # the Gluon product
+        ("_quantize_x_kernel", "gemv"),  # the integer GEMV's x split
         ("nvjet_tst_128x64_64x8_1x1_v_bz_coopB_NNT", "matmul"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
         (
@@ -115,6 +118,11 @@ def test_profiling_switches_graphs_off_for_the_run_only():
         ("solve_tril_16x16_kernel", "gdn"),
         ("_recurrent_kernel", "gdn"),
         ("_causal_conv1d_kernel", "conv"),
+        ("_conv_and_gates_kernel", "conv"),
+        ("_gdn_gates_from_x_kernel", "gdn"),
+        ("_moe_router_route_kernel", "moe"),
+        ("_moe_combine_kernel", "moe"),
+        ("_gated_rms_norm_kernel", "norm"),
         ("_rms_norm_kernel", "norm"),
         ("Memcpy HtoD (Pageable -> Device)", "copy"),
         (
