@@ -206,10 +206,12 @@ def check_causal_conv1d_and_gates(
     hidden: int,
     dtype: torch.dtype,
     device,
+    normed_rows: bool = False,
 ) -> None:
     """The conv and the gates from x in one launch (`causal_conv1d_and_gates`) give what the
     conv kernel and the gates kernel give apart, bit for bit, the windows included; the conv's
-    input a view of a wider row, as the in projection's q|k|v part is."""
+    input a view of a wider row, as the in projection's q|k|v part is. With `normed_rows` the
+    gates read a folded norm's rows (`norm_fold.NormedRows`, random sums of squares)."""
     tokens = sum(query_lens)
     num_slots = len(query_lens) + 2
     mixed = torch.randn(tokens, channels + 8, device=device).to(dtype)[:, :channels]
@@ -218,6 +220,11 @@ def check_causal_conv1d_and_gates(
     slots = torch.randperm(num_slots)[: len(query_lens)].to(torch.int32).to(device)
     query_start = query_start_of(query_lens, device)
     x = torch.randn(tokens, hidden + 8, device=device).to(dtype)[:, :hidden]
+    if normed_rows:
+        from ninfer.kernels.norm_fold import SQUARE_COLUMNS, NormedRows
+
+        squares = torch.rand(5, SQUARE_COLUMNS, device=device) * hidden / 5
+        x = NormedRows(x.contiguous(), squares, 1e-6)
     w_ba = (torch.randn(2 * heads, hidden, device=device) * 8 * hidden**-0.5).to(dtype)
     A_log = (torch.randn(heads, device=device) * 0.5).to(dtype)
     dt_bias = torch.linspace(-30, 30, heads, device=device).to(dtype)

@@ -34,7 +34,9 @@ from ninfer.kernels.gdn_gates_triton import (
     _gates_from_x_program,
     check_gates_from_x,
     gates_outputs,
+    normed_rows_args,
 )
+from ninfer.kernels.norm_fold import NormedRows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
@@ -228,6 +230,9 @@ def _conv_and_gates_kernel(
     conv_programs,
     chan_blocks,
     row_blocks,
+    squares_ptr,
+    square_blocks,
+    eps,
     WIDTH: tl.constexpr,
     SPAN: tl.constexpr,
     ONE_TOKEN_EACH: tl.constexpr,
@@ -237,6 +242,7 @@ def _conv_and_gates_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SQUARE_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The conv kernel's programs first (span, channel block), then the gates-from-x kernel's
@@ -281,9 +287,13 @@ def _conv_and_gates_kernel(
             heads,
             stride_ba_x,
             stride_ba_w,
+            squares_ptr,
+            square_blocks,
+            eps,
             HIDDEN,
             BLOCK_ROWS,
             BLOCK_K,
+            SQUARE_BLOCKS,
         )
 
 
@@ -352,16 +362,17 @@ def causal_conv1d_and_gates(
     conv_windows: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    ba_x: torch.Tensor,
+    ba_x: torch.Tensor | NormedRows,
     w_ba: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`causal_conv1d` of x and `gdn_gates_triton.gdn_gates_from_x` of ba_x (the layer input)
-    in one launch: (conv output, g, beta), each as the two kernels give it, bit for bit. Two
-    kernels a GDN layer runs between its in projection and its recurrent kernel, both short,
-    become one link of the step's chain of dependent launches. Meant, as the gates kernel
-    is, for decode-sized batches."""
+    """`causal_conv1d` of x and `gdn_gates_triton.gdn_gates_from_x` of ba_x (the layer input,
+    maybe a folded norm's rows) in one launch: (conv output, g, beta), each as the two kernels
+    give it, bit for bit. Two kernels a GDN layer runs between its in projection and its
+    recurrent kernel, both short, become one link of the step's chain of dependent launches.
+    Meant, as the gates kernel is, for decode-sized batches."""
+    ba_x, square_args, square_constants = normed_rows_args(ba_x)
     check_gates_from_x(ba_x, w_ba)
     if ba_x.shape[0] != x.shape[0]:
         raise ValueError(f"{ba_x.shape[0]} gate rows for {x.shape[0]} conv tokens")
@@ -394,10 +405,12 @@ def causal_conv1d_and_gates(
         conv_programs,
         chan_blocks,
         row_blocks,
+        *square_args,
         **constants,
         HIDDEN=ba_x.shape[1],
         BLOCK_ROWS=ROWS_PER_PROGRAM,
         BLOCK_K=GATES_BLOCK_K,
+        **square_constants,
         num_warps=PROJ_NUM_WARPS,  # the gates kernel's (its sums' order), the conv's too
         **pdl_options(x.device),
     )

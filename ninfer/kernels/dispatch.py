@@ -5,6 +5,8 @@ use, so CPU-only installs never import Triton. Kernels whose matrix products wou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ninfer.kernels import attention_prelude as prelude_reference
@@ -24,6 +26,7 @@ from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
 from ninfer.kernels.moe_routing import Routes
+from ninfer.kernels.norm_fold import NormAfter, NormedRows
 from ninfer.kernels.triton_support import HAS_TRITON, use_triton
 from ninfer.kernels.x_split import SplitRequest, blocks_hold_groups
 from ninfer.quant import EncodedTensor
@@ -219,9 +222,15 @@ def recurrent_gated_delta_rule_from_x(
     )
 
 
-def _takes_b_a_product(x: torch.Tensor, w_ba: torch.Tensor, *others: torch.Tensor) -> bool:
+def _takes_b_a_product(
+    x: torch.Tensor | NormedRows, w_ba: torch.Tensor, *others: torch.Tensor
+) -> bool:
     """Whether a Triton kernel computes the GDN b|a product of x itself: x in a dense dtype,
-    the weight in x's, both unit stride along hidden, and every tensor (others too) on CUDA."""
+    the weight in x's, both unit stride along hidden, and every tensor (others too) on CUDA.
+    x may be a folded norm's rows (`norm_fold`)."""
+    if isinstance(x, NormedRows):
+        others = (*others, x.squares)
+        x = x.weighted
     return (
         use_triton(x, w_ba, *others)
         and x.dtype in _DENSE
@@ -242,15 +251,18 @@ def gdn_gates(
 
 
 def gdn_gates_from_x(
-    x: torch.Tensor, w_ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    x: torch.Tensor | NormedRows, w_ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g fp32, beta in x's dtype) of the GDN layer from its input x [T, hidden] and the
-    stacked b|a weight [2H, hidden]: on CUDA one kernel computes the product and the gates
-    (for decode-sized T: the caller decides), else the product, its halves, `gdn_gates`."""
+    """(g fp32, beta in x's dtype) of the GDN layer from its input x [T, hidden] (or a folded
+    norm's rows) and the stacked b|a weight [2H, hidden]: on CUDA one kernel computes the
+    product and the gates (for decode-sized T: the caller decides), else the product, its
+    halves, `gdn_gates`."""
     if _takes_b_a_product(x, w_ba, A_log, dt_bias):
         from ninfer.kernels import gdn_gates_triton
 
         return gdn_gates_triton.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
+    if isinstance(x, NormedRows):
+        x = x.materialize()
     return gates_reference.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
 
 
@@ -273,14 +285,14 @@ def causal_conv1d_and_gates(
     conv_windows: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
-    ba_x: torch.Tensor,
+    ba_x: torch.Tensor | NormedRows,
     w_ba: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`causal_conv1d` of x and `gdn_gates_from_x` of ba_x (the GDN layer's input): (conv
-    output, g, beta). On CUDA one kernel runs both (for decode-sized batches: the caller
-    decides), else the two entry points."""
+    """`causal_conv1d` of x and `gdn_gates_from_x` of ba_x (the GDN layer's input, maybe a
+    folded norm's rows): (conv output, g, beta). On CUDA one kernel runs both (for
+    decode-sized batches: the caller decides), else the two entry points."""
     if _takes_b_a_product(ba_x, w_ba, x, conv_windows, A_log, dt_bias):
         from ninfer.kernels import causal_conv1d_triton
 
@@ -324,7 +336,16 @@ def gated_rms_norm(
     return reference.gated_rms_norm(x, z, weight, eps)
 
 
-def groupwise_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+def groupwise_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tensor:
+    """x [M, K] @ W.T for an encoded [N, K] weight. x may be a folded norm's rows
+    (`norm_fold.NormedRows`): the Gluon product takes their factors in its epilogue; any
+    other kernel reads them materialized."""
+    if isinstance(x, NormedRows):
+        if _takes_normed_rows(x, weight):
+            from ninfer.kernels import groupwise_gemv_gluon
+
+            return groupwise_gemv_gluon.q4_linear(x, weight)
+        x = x.materialize()
     if use_triton(x) and x.dtype in _HALF:
         from ninfer.kernels import groupwise_gemv_triton
 
@@ -347,28 +368,89 @@ def takes_q6_linear(x: torch.Tensor, weight: EncodedTensor) -> bool:
     return groupwise_gemv_gluon.fits(x, weight)
 
 
-def swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+def _takes_normed_rows(x: NormedRows, weight: EncodedTensor) -> bool:
+    if not (use_triton(x.weighted, x.squares, *weight.planes.values()) and x.dtype in _HALF):
+        return False
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    return groupwise_gemv_gluon.fits(x.weighted, weight)
+
+
+def groupwise_linear_then_norm(
+    x: torch.Tensor, weight: EncodedTensor, after: NormAfter
+) -> tuple[NormedRows, torch.Tensor]:
+    """(norm(x @ W.T + residual) as `NormedRows`, x @ W.T + residual): a product with the
+    RMSNorm after it folded into its epilogue (`norm_fold`) where the Gluon q4 product takes
+    it (`takes_norm_folds`), else the product, then `norm_fold.fold_norm`."""
+    from ninfer.kernels import norm_fold
+
+    rows, n = x.shape[0], weight.shape[0]
+    if (
+        takes_norm_folds(x)
+        and weight.format == "q4_g64_fp16"
+        and after.residual.shape == (rows, n)
+        and after.residual.is_contiguous()
+        and after.residual.dtype == x.dtype
+        and after.weight.is_contiguous()
+        and use_triton(after.residual, after.weight, *weight.planes.values())
+    ):
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        if groupwise_gemv_gluon.fits(x, weight):
+            return groupwise_gemv_gluon.q4_linear(x, weight, after)
+    return norm_fold.fold_norm(groupwise_linear(x, weight), after, norm_fold.REFERENCE_BLOCK)
+
+
+def takes_norm_folds(x: torch.Tensor) -> bool:
+    """Whether a decoder layer's norms are folded into the products beside them for rows like
+    x's (`norm_fold`): two to eight bf16 rows on a GPU where the Gluon product runs."""
+    if not (use_triton(x) and x.dtype == torch.bfloat16):
+        return False
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    return groupwise_gemv_gluon.runs(x)
+
+
+def norm_folds_fit(weights: Sequence[EncodedTensor]) -> bool:
+    """Whether the Gluon product takes each of these weights (the products on either side of a
+    folded norm, `norm_fold`): q4_g64 of a width it reads. Whether a step's rows fit is
+    `takes_norm_folds`'s question."""
+    if not HAS_TRITON:
+        return False
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    return all(
+        weight.format == "q4_g64_fp16" and groupwise_gemv_gluon.takes_weight(weight)
+        for weight in weights
+    )
+
+
+def swiglu_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tensor:
     """silu(gate) * up, [M, F], for x [M, K] and an encoded [2F, K] weight stacking gate's rows
     over up's. Where `takes_swiglu_linear`, one kernel with the SwiGLU in its epilogue, bit for
-    bit the product followed by `silu_mul`; elsewhere the product, then `silu_mul`."""
+    bit the product followed by `silu_mul`; elsewhere the product, then `silu_mul`. x may be a
+    folded norm's rows, as for `groupwise_linear`."""
     if takes_swiglu_linear(x, weight):
         from ninfer.kernels import groupwise_gemv_gluon
 
         return groupwise_gemv_gluon.q4_swiglu_linear(x, weight)
+    if isinstance(x, NormedRows):
+        x = x.materialize()
     if use_triton(x) and x.dtype in _HALF:
         gate, up = groupwise_linear(x, weight).chunk(2, dim=-1)
         return silu_mul(gate, up)
     return gemv_reference.swiglu_linear(x, weight)
 
 
-def takes_swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> bool:
+def takes_swiglu_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> bool:
     """Whether `swiglu_linear` runs as one kernel: the Gluon q4 product's conditions (two to
     eight bf16 rows on a Hopper GPU, `groupwise_gemv_gluon.swiglu_fits`)."""
-    if not (use_triton(x, *weight.planes.values()) and x.dtype in _HALF):
+    rows = x.weighted if isinstance(x, NormedRows) else x
+    if not (use_triton(rows, *weight.planes.values()) and x.dtype in _HALF):
         return False
     from ninfer.kernels import groupwise_gemv_gluon
 
-    return groupwise_gemv_gluon.swiglu_fits(x, weight)
+    return groupwise_gemv_gluon.swiglu_fits(rows, weight)
 
 
 def integer_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.norm_fold import SQUARE_COLUMNS, NormedRows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2
 
@@ -38,6 +39,7 @@ ROWS_PER_PROGRAM = 1
 # memory round trip per step.
 BLOCK_K = 1024
 PROJ_NUM_WARPS = 4
+_SQUARE_COLUMNS = tl.constexpr(SQUARE_COLUMNS)
 
 
 @triton.jit
@@ -66,6 +68,21 @@ def _x_dot_rows(
     dtype as the linear's output is, so the gates see the reference's b and a up to the fp32
     summation order. Every kernel taking b and a from x sums here, so all sum in one order
     (the fused MoE router, `moe_router_triton`, sums its logits here too)."""
+    return _x_dot_rows_scaled(x_row, w_rows, row_mask, 1.0, HIDDEN, BLOCK_ROWS, BLOCK_K)
+
+
+@triton.jit
+def _x_dot_rows_scaled(
+    x_row,
+    w_rows,
+    row_mask,
+    scale,
+    HIDDEN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_x_dot_rows` with the sums multiplied by `scale` (fp32) before they are rounded: x's
+    row is then a folded norm's weighted row and scale its factor (`norm_fold`)."""
     acc = tl.zeros([BLOCK_ROWS, BLOCK_K], dtype=tl.float32)
     for start in tl.static_range(0, HIDDEN, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
@@ -75,7 +92,7 @@ def _x_dot_rows(
             w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
         ).to(tl.float32)
         acc += w * x[None, :]
-    return tl.sum(acc, axis=1).to(x_row.dtype.element_ty).to(tl.float32)
+    return (tl.sum(acc, axis=1) * scale).to(x_row.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -155,17 +172,31 @@ def _gates_from_x_program(
     H,
     stride_x,
     stride_w,
+    squares_ptr,
+    square_blocks,
+    eps,
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SQUARE_BLOCKS: tl.constexpr,
 ):
     """One program's part of `gdn_gates_from_x`: token `token`'s b|a rows of block
-    `row_block` and their gates (also run by `causal_conv1d_triton.causal_conv1d_and_gates`)."""
+    `row_block` and their gates (also run by `causal_conv1d_triton.causal_conv1d_and_gates`).
+    With SQUARE_BLOCKS, x is a folded norm's weighted rows (`norm_fold.NormedRows`) and the
+    token's factor comes from the square_blocks sums of squares at squares_ptr."""
     token = token.to(tl.int64)
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < 2 * H
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    ba = _x_dot_rows(x_ptr + token * stride_x, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
+    scale = 1.0
+    if SQUARE_BLOCKS > 0:
+        blocks = tl.arange(0, SQUARE_BLOCKS)
+        squares = tl.load(
+            squares_ptr + blocks * _SQUARE_COLUMNS + token, mask=blocks < square_blocks, other=0.0
+        )
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / HIDDEN + eps)
+    x_row = x_ptr + token * stride_x
+    ba = _x_dot_rows_scaled(x_row, w_rows, row_mask, scale, HIDDEN, BLOCK_ROWS, BLOCK_K)
     is_b = rows < H
     is_a = row_mask & ~is_b
     heads = tl.where(is_b, rows, rows - H)
@@ -187,9 +218,13 @@ def _gdn_gates_from_x_kernel(
     H,
     stride_x,
     stride_w,
+    squares_ptr,
+    square_blocks,
+    eps,
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SQUARE_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -205,10 +240,29 @@ def _gdn_gates_from_x_kernel(
         H,
         stride_x,
         stride_w,
+        squares_ptr,
+        square_blocks,
+        eps,
         HIDDEN,
         BLOCK_ROWS,
         BLOCK_K,
+        SQUARE_BLOCKS,
     )
+
+
+def normed_rows_args(x: torch.Tensor | NormedRows) -> tuple[torch.Tensor, tuple, dict]:
+    """(x's rows, the sums-of-squares launch arguments, their compile-time constant) of a
+    gates-from-x input that may be a folded norm's rows: for a plain x, unused arguments and
+    SQUARE_BLOCKS 0."""
+    if not isinstance(x, NormedRows):
+        return x, (x, 0, 0.0), {"SQUARE_BLOCKS": 0}
+    blocks = x.squares.shape[0]
+    if x.squares.shape[1] != SQUARE_COLUMNS or not x.squares.is_contiguous():
+        raise ValueError(
+            f"sums of squares {tuple(x.squares.shape)}, not [blocks, {SQUARE_COLUMNS}]"
+        )
+    constants = {"SQUARE_BLOCKS": max(16, next_power_of_2(blocks))}
+    return x.weighted, (x.squares, blocks, x.eps), constants
 
 
 def check_gates_from_x(x: torch.Tensor, w_ba: torch.Tensor) -> None:
@@ -229,10 +283,12 @@ def gates_outputs(x: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def gdn_gates_from_x(
-    x: torch.Tensor, w_ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    x: torch.Tensor | NormedRows, w_ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `gdn_gates.gdn_gates_from_x`; x and w_ba of one dtype with unit
-    stride along hidden. Meant for decode-sized T: each token re-reads the whole weight."""
+    stride along hidden. Meant for decode-sized T: each token re-reads the whole weight. x may
+    be a folded norm's rows, each token's factor applied to its sums (`norm_fold`)."""
+    x, square_args, square_constants = normed_rows_args(x)
     check_gates_from_x(x, w_ba)
     tokens, hidden = x.shape
     rows = w_ba.shape[0]
@@ -249,9 +305,11 @@ def gdn_gates_from_x(
             heads,
             x.stride(0),
             w_ba.stride(0),
+            *square_args,
             HIDDEN=hidden,
             BLOCK_ROWS=ROWS_PER_PROGRAM,
             BLOCK_K=BLOCK_K,
+            **square_constants,
             num_warps=PROJ_NUM_WARPS,
             **pdl_options(x.device),
         )

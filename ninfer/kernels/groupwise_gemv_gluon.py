@@ -46,6 +46,7 @@ import functools
 import torch
 import triton
 
+from ninfer.kernels.norm_fold import SQUARE_COLUMNS, NormAfter, NormedRows
 from ninfer.kernels.pdl_triton import pdl_options
 from ninfer.kernels.triton_support import device_name, num_sms
 from ninfer.quant import EncodedTensor
@@ -302,6 +303,47 @@ sub.rn.bf16x2 $3, p3, bias;
         gl.store(out_ptr + at, values, mask=mask)
 
     @gluon.jit
+    def _out_index(n0, M, N, BN: gl.constexpr, MMA: gl.constexpr):
+        """(output rows, x rows, offsets, mask) of a program's [BN, 8] result in out[M, N]."""
+        rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        x_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
+        mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
+        return rows, x_rows, at, mask
+
+    @gluon.jit
+    def _load_squares(squares_ptr, blocks, BLOCKS: gl.constexpr):
+        """A folded norm's sums of squares of its `blocks` column blocks ([blocks, 8] fp32, x
+        row m in column m), padded to BLOCKS with zeros (`_row_scale` adds them up)."""
+        LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+        block = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, LAYOUT))
+        column = gl.arange(0, 8, layout=gl.SliceLayout(0, LAYOUT))
+        at = gl.expand_dims(block, 1) * 8 + gl.expand_dims(column, 0)
+        return gl.load(squares_ptr + at, mask=gl.expand_dims(block < blocks, 1), other=0.0)
+
+    @gluon.jit
+    def _row_scale(squares, inv_width, eps, MMA: gl.constexpr):
+        """Each x row's factor rsqrt(mean(h^2) + eps) of a folded norm from its sums of squares
+        (`_load_squares`), as the accumulator's column vector."""
+        scale = gl.rsqrt(gl.sum(squares, axis=0) * inv_width + eps)
+        return gl.convert_layout(scale, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _fold_out(total, out_ptr, fold, at, mask, x_rows, pid_n):
+        """The epilogue of a product with the next norm folded in (`norm_fold`), given the
+        residual and the norm's weight (loaded before the loop): h = the result rounded, plus
+        the residual, rounded as the unfused add is, written to the sum; u = h * (1 + w)
+        written as the output; and row block pid_n's sum of h^2 of each x row (rows past N
+        and M add zeros) to its row of the squares table."""
+        residual, norm_weight, sum_ptr, squares_ptr = fold
+        h = (total.to(gl.bfloat16).to(gl.float32) + residual.to(gl.float32)).to(gl.bfloat16)
+        gl.store(sum_ptr + at, h, mask=mask)
+        h = h.to(gl.float32)
+        weighted = h * gl.expand_dims(1.0 + norm_weight.to(gl.float32), 1)
+        gl.store(out_ptr + at, weighted.to(gl.bfloat16), mask=mask)
+        gl.store(squares_ptr + pid_n * 8 + x_rows, gl.sum(h * h, axis=0))
+
+    @gluon.jit
     def _q4_tc_kernel(
         x_desc,
         w_desc,
@@ -314,6 +356,14 @@ sub.rn.bf16x2 $3, p3, bias;
         N,
         tiles_per_split,
         num_tiles,
+        residual_ptr,
+        norm_weight_ptr,
+        sum_ptr,
+        squares_out_ptr,
+        squares_in_ptr,
+        square_blocks,
+        inv_width,
+        eps,
         BN: gl.constexpr,
         GROUPS: gl.constexpr,
         STAGES: gl.constexpr,
@@ -322,13 +372,20 @@ sub.rn.bf16x2 $3, p3, bias;
         PDL: gl.constexpr,
         SWIGLU: gl.constexpr,
         Q6: gl.constexpr,
+        FOLD: gl.constexpr,
+        ROW_SCALE: gl.constexpr,
+        SQUARE_BLOCKS: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
         n's counter (then reset by it) adds the partials up and writes out. With SWIGLU, W is
         [gate; up] (2N rows): a program's BN rows are gate's rows n0 .. n0 + BN/2 over up's
         same rows, and out[M, N] = silu(gate product) * up product. With Q6, W is q6_g64:
-        the same codes plane and scales as q4_g64, and h_desc its high bits."""
+        the same codes plane and scales as q4_g64, and h_desc its high bits. With ROW_SCALE,
+        x is a folded norm's weighted rows and each x row's factor, from the square_blocks
+        sums at squares_in_ptr, multiplies the accumulator first; with FOLD the result is
+        added to the residual and its norm's parts written instead (`_fold_out`; the module
+        `norm_fold` says what each side computes)."""
         R: gl.constexpr = BN // 64  # 16-row blocks per warp
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
@@ -373,6 +430,7 @@ sub.rn.bf16x2 $3, p3, bias;
         )
         gl.static_assert(GROUPS == 8)
         gl.static_assert(not (SWIGLU and SPLIT_K))
+        gl.static_assert(not (SWIGLU and FOLD))
 
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
@@ -435,6 +493,19 @@ sub.rn.bf16x2 $3, p3, bias;
                 SWIGLU,
                 Q6,
             )
+        # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
+        # the epilogue, on the step's critical path, waits for no load of its own
+        if ROW_SCALE:
+            squares = _load_squares(squares_in_ptr, square_blocks, SQUARE_BLOCKS)
+        else:
+            squares = 0.0
+        if FOLD:
+            rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+            residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
+            norm_weight = gl.load(norm_weight_ptr + rows, mask=rows < N, other=0.0)
+        else:
+            residual = 0.0
+            norm_weight = 0.0
 
         acc = gl.zeros([BN, 8], gl.float32, MMA)
         for j in range(count):
@@ -482,13 +553,14 @@ sub.rn.bf16x2 $3, p3, bias;
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
+        if ROW_SCALE:
+            scale = _row_scale(squares, inv_width, eps, MMA)
+            acc = acc * gl.expand_dims(scale, 0)
         if SWIGLU:
             _swiglu_out(acc, out_ptr, M, N, n0, BN)
         else:
-            rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-            x_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-            at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
-            mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
+            rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+            fold = (residual, norm_weight, sum_ptr, squares_out_ptr)
             if SPLIT_K:
                 splits = gl.num_programs(1)
                 gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
@@ -501,8 +573,13 @@ sub.rn.bf16x2 $3, p3, bias;
                         total += gl.load(
                             partial_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg"
                         )
-                    gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
+                    if FOLD:
+                        _fold_out(total, out_ptr, fold, at, mask, x_rows, pid_n)
+                    else:
+                        gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
                     gl.atomic_xchg(counter, 0)
+            elif FOLD:
+                _fold_out(acc, out_ptr, fold, at, mask, x_rows, pid_n)
             else:  # the result, or (split-K without counters) this split's partial
                 gl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -515,23 +592,36 @@ def _hopper(index: int) -> bool:
 FORMATS = ("q4_g64_fp16", "q6_g64_fp16")
 
 
+def runs(x: torch.Tensor) -> bool:
+    """Whether this kernel runs for x's rows at all: 2..8 bf16 rows [M, K] on a Hopper or
+    later GPU, with Gluon present."""
+    if gluon is None or x.dtype != torch.bfloat16:
+        return False
+    if not (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _hopper(index)
+
+
+def takes_weight(weight: EncodedTensor) -> bool:
+    """Whether this kernel can take the weight at all: q4_g64 or q6_g64, K a multiple of 512
+    (TMA needs the scales' rows 16-byte aligned), with Gluon present."""
+    return (
+        gluon is not None and weight.format in FORMATS and weight.shape[-1] % (GROUP * GROUPS) == 0
+    )
+
+
 def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
     """Whether `q4_linear` (`q6_linear`) takes this product: q4_g64 (q6_g64) weights, 2..8 bf16
     x rows on a Hopper or later GPU, K a multiple of 512 (TMA needs the scales' rows 16-byte
     aligned) and every plane and x aligned for TMA."""
-    if gluon is None or weight.format not in FORMATS or x.dtype != torch.bfloat16:
-        return False
-    if not (x.is_cuda and 2 <= x.shape[0] <= MAX_ROWS and x.dim() == 2):
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if not _hopper(index):
+    if not (takes_weight(weight) and runs(x)):
         return False
     codes, scales = weight.planes["codes"], weight.planes["scales"]
     high = weight.planes.get("high", codes)
     k = weight.shape[-1]
     return (
-        k % (GROUP * GROUPS) == 0
-        and high.stride(-1) == 1
+        high.stride(-1) == 1
         and high.stride(0) % 16 == 0
         and high.data_ptr() % 16 == 0
         and x.shape[1] == k == codes.shape[-1] * 2
@@ -635,18 +725,23 @@ def _high_descriptor(high: torch.Tensor, block_n: int):
     )
 
 
-def q4_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits` checked: [M, N] bf16."""
-    return _launch(x, weight, swiglu=False)
+def q4_linear(
+    x: torch.Tensor | NormedRows, weight: EncodedTensor, after: NormAfter | None = None
+) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
+    """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits` checked: [M, N] bf16.
+    x may be a folded norm's `NormedRows` (its rows' factors applied in the epilogue); with
+    `after`, returns (the norm after the product as `NormedRows`, product + residual)
+    (`norm_fold`)."""
+    return _launch(x, weight, swiglu=False, after=after)
 
 
-def q6_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+def q6_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tensor:
     """x [M, K] bf16 (M <= 8) times a q6_g64 weight [N, K] as `fits` checked: [M, N] bf16. The
     27B head read as stored, 0.99 GB a step instead of the 1.35 GB of its q8_g32 widening."""
     return _launch(x, weight, swiglu=False)
 
 
-def q4_swiglu_linear(x: torch.Tensor, weight: EncodedTensor) -> torch.Tensor:
+def q4_swiglu_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for a q4_g64 weight [2F, K] stacking gate's rows over
     up's, as `swiglu_fits` checked: [M, F] bf16, bit for bit `q4_linear` followed by
     `swiglu_triton.silu_mul` of its halves, in one launch. K is never split (its programs
@@ -665,9 +760,17 @@ def _splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(num_tiles, per_split), per_split
 
 
-def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor | NormedRows,
+    weight: EncodedTensor,
+    swiglu: bool,
+    after: NormAfter | None = None,
+) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
     from ninfer.kernels.groupwise_gemv_triton import tile_counters
 
+    normed = x if isinstance(x, NormedRows) else None
+    if normed is not None:
+        x = normed.weighted
     codes, scales = weight.planes["codes"], weight.planes["scales"]
     m, k = x.shape
     n = weight.shape[0]
@@ -682,6 +785,15 @@ def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tenso
     if splits > 1:
         partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     q6 = weight.format == "q6_g64_fp16"
+    # a folded norm on either side (`norm_fold`); unused pointers are `out`
+    residual = norm_weight = total = squares = squares_in = out
+    eps, square_blocks = 0.0, 1
+    if after is not None:
+        residual, norm_weight, eps = after.residual, after.weight, after.eps
+        total = torch.empty_like(out)
+        squares = torch.empty(blocks, SQUARE_COLUMNS, dtype=torch.float32, device=x.device)
+    if normed is not None:
+        squares_in, eps, square_blocks = normed.squares, normed.eps, normed.squares.shape[0]
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(blocks, splits)](
         x_desc,
@@ -695,6 +807,14 @@ def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tenso
         out_n,
         per_split,
         num_tiles,
+        residual,
+        norm_weight,
+        total,
+        squares,
+        squares_in,
+        square_blocks,
+        1.0 / k,
+        eps,
         BN=block_n,
         GROUPS=GROUPS,
         STAGES=stages,
@@ -702,9 +822,14 @@ def _launch(x: torch.Tensor, weight: EncodedTensor, swiglu: bool) -> torch.Tenso
         WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
         SWIGLU=swiglu,
         Q6=q6,
+        FOLD=after is not None,
+        ROW_SCALE=normed is not None,
+        SQUARE_BLOCKS=max(16, triton.next_power_of_2(square_blocks)),
         num_warps=4,
         **pdl_options(x.device),
     )
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)
+    if after is not None:
+        return NormedRows(out, squares, after.eps), total
     return out

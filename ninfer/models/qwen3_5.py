@@ -28,6 +28,8 @@ from torch import nn
 
 from ninfer.engine.kv_pool import CacheSpec
 from ninfer.errors import ModelConfigError, UnsupportedModelError
+from ninfer.kernels.dispatch import norm_folds_fit, takes_norm_folds
+from ninfer.kernels.norm_fold import NormAfter, NormedRows
 from ninfer.kernels.x_split import INT_MAX_ROWS, SplitRequest
 from ninfer.models.context import ForwardContext
 from ninfer.models.layers.attention import Attention
@@ -44,6 +46,10 @@ from ninfer.models.layers.norms import RMSNorm
 from ninfer.models.layers.rotary import RotaryEmbedding
 from ninfer.models.weights import WeightSource
 from ninfer.parallel.shard import Shard
+
+# Decode-sized steps fold the decoder norms into their neighbouring products where the model
+# allows (`DecoderLayer.folds_norms`); False runs every norm as its own launch.
+NORM_FOLDS = True
 
 
 @dataclass(slots=True)
@@ -175,25 +181,44 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | NormedRows,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fold: bool = False,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor | NormedRows, torch.Tensor]:
         """The residual stream is `hidden + residual` (`hidden` alone when residual is None, as
         for the first layer). Returns (mlp output, stream before it): each add is left to the
         norm that reads its sum, which writes the sum in the same pass (one launch less per
-        add on the GPU; on the CPU the same add, in the same order, so the same bits)."""
-        if residual is None:
+        add on the GPU; on the CPU the same add, in the same order, so the same bits).
+
+        With `fold` each norm runs in the epilogue of the product before it instead
+        (`kernels/norm_fold.py`): the post-attention norm in the mixer's out projection and,
+        given `next_norm` (the next layer's input norm), that one in the MLP's down, which
+        then returns (that norm's rows, the stream). `hidden` may then arrive as this layer's
+        input norm already applied (`NormedRows`), with `residual` the stream."""
+        if isinstance(hidden, NormedRows):
+            normed = hidden
+        elif residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
+        after_mixer = after_mlp = None
+        if fold:
+            after_mixer = _norm_after(residual, self.post_attention_layernorm)
         if self.layer_type == "full_attention":
-            mixed = self.self_attn(normed, cos, sin, ctx)
+            mixed = self.self_attn(normed, cos, sin, ctx, after_mixer)
         else:
-            mixed = self.linear_attn(normed, ctx)
+            mixed = self.linear_attn(normed, ctx, after_mixer)
+        if after_mixer is not None:
+            normed, residual = mixed
+            if next_norm is not None:
+                after_mlp = _norm_after(residual, next_norm)
+            out = self.mlp(normed, after_mlp)
+            return out if after_mlp is not None else (out, residual)
         mixed = self.shard.all_reduce(mixed)
         if isinstance(self.mlp, SparseMoE):
             fused = self.mlp.norm_and_forward(mixed, residual, self.post_attention_layernorm)
@@ -201,6 +226,37 @@ class DecoderLayer(nn.Module):
                 return self.shard.all_reduce(fused[0]), fused[1]
         normed, residual = self.post_attention_layernorm(mixed, residual)
         return self.shard.all_reduce(self.mlp(normed)), residual
+
+    def folds_norms(self) -> bool:
+        """Whether folding this layer's norms into its products (`forward`'s `fold`) puts each
+        on a kernel that takes it: one rank, a dense MLP, the products on either side of each
+        norm kept encoded, stacked (the attention's q|k|v, the GDN in projection, the MLP's
+        gate|up) and of a format and width the folding kernel reads (`norm_folds_fit`), the
+        GDN b|a weight stacked dense (its kernel computes the product)."""
+        if self.shard.world > 1 or not isinstance(self.mlp, MLP):
+            return False
+        if self.layer_type == "full_attention":
+            mixer = self.self_attn
+            ends = [mixer.qkv_proj, mixer.o_proj]
+        else:
+            mixer = self.linear_attn
+            ba = mixer.in_proj_ba
+            if ba is None or type(ba.linear) is not nn.Linear:
+                return False
+            ends = [mixer.in_proj_qkvz, mixer.out_proj]
+        ends += [self.mlp.gate_up_proj, self.mlp.down_proj]
+        weights = []
+        for linear in ends:
+            if isinstance(linear, FusedLinear):
+                linear = linear.linear
+            if not isinstance(linear, GroupwiseLinear) or linear.one_row is not None:
+                return False
+            weights.append(linear.encoded)
+        return norm_folds_fit(weights)
+
+
+def _norm_after(residual: torch.Tensor, norm: RMSNorm) -> NormAfter:
+    return NormAfter(residual, norm.weight, norm.eps)
 
 
 class MultiTokenPredictor(nn.Module):
@@ -289,6 +345,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         )
         self._num_attention_layers = attention_count + (1 if with_mtp else 0)
         self._num_gdn_layers = gdn_count
+        # whether decode-sized steps fold the decoder norms into the products beside them
+        # (`DecoderLayer.folds_norms`, decided once the weights are loaded and stacked)
+        self.fold_norms = False
 
     @classmethod
     def from_source(
@@ -332,6 +391,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             param.requires_grad_(False)
         fuse_projections(model)
         request_x_splits(model)
+        model.fold_norms = all(layer.folds_norms() for layer in model.layers)
         if torch.device(device).type == "cuda":
             # the unfused weights' blocks stay cached, and the K/V pool is sized from free memory
             torch.cuda.empty_cache()
@@ -398,8 +458,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, ctx)
+        # decoder norms in their neighbouring products (`DecoderLayer.forward`), but the
+        # first layer's input norm (no product before it) and the final norm (its output is
+        # also the MTP's input)
+        fold = NORM_FOLDS and self.fold_norms and takes_norm_folds(hidden)
+        for index, layer in enumerate(self.layers):
+            last = index + 1 == len(self.layers)
+            next_norm = None if last or not fold else self.layers[index + 1].input_layernorm
+            hidden, residual = layer(hidden, residual, cos, sin, ctx, fold, next_norm)
         return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()

@@ -196,6 +196,22 @@ def cases():
         weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
         groupwise_gemv_gluon.q4_swiglu_linear(torch.randn(m, k, dtype=BF16), weight)
 
+    def gluon_q4_folded(m: int, n: int, k: int) -> None:
+        # the producer's epilogue with the next norm, then a consumer taking its rows
+        from ninfer.kernels import groupwise_gemv_gluon
+        from ninfer.kernels.norm_fold import NormAfter
+
+        weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
+        residual, norm = torch.randn(m, n, dtype=BF16), torch.randn(n, dtype=BF16)
+        after = NormAfter(residual, norm, 1e-6)
+        rows, _ = groupwise_gemv_gluon.q4_linear(torch.randn(m, k, dtype=BF16), weight, after)
+        consumer = get_format(q4).encode(torch.randn(2 * k, n) * 0.05)
+        groupwise_gemv_gluon.q4_linear(rows, consumer)
+        groupwise_gemv_gluon.q4_swiglu_linear(rows, consumer)
+        gdn_gates_triton.gdn_gates_from_x(
+            rows, torch.randn(96, n, dtype=BF16), torch.randn(48), torch.randn(48)
+        )
+
     def x_split_producers():
         x = torch.randn(1, 5120, dtype=BF16)
         rms_norm_triton.rms_norm(x, torch.randn(5120, dtype=BF16), 1e-6, x.clone(), split)
@@ -319,6 +335,9 @@ def cases():
         ("tensor-core gemv q4 in gluon, split-K", lambda: gluon_q4(3, 5120, 17408)),
         ("tensor-core gemv q4 in gluon, swiglu", lambda: gluon_q4_swiglu(8, 34816, 5120)),
         ("tensor-core gemv q6 in gluon", lambda: gluon_q6(8, 248320, 5120)),
+        ("tensor-core gemv q4 in gluon, norm folded", lambda: gluon_q4_folded(8, 5120, 6144)),
+        ("tensor-core gemv q4 in gluon, norm folded, split-K",
+            lambda: gluon_q4_folded(8, 5120, 17408)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),

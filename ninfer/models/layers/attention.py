@@ -12,9 +12,10 @@ from ninfer.kernels.dispatch import (
     paged_attention_prefill,
     sigmoid_gate,
 )
+from ninfer.kernels.norm_fold import NormAfter, NormedRows
 from ninfer.kernels.x_split import SplitRequest
 from ninfer.models.context import ForwardContext
-from ninfer.models.layers.linear import FusedLinear, fuse_into
+from ninfer.models.layers.linear import FusedLinear, fuse_into, linear_then_norm
 from ninfer.models.layers.norms import RMSNorm
 
 
@@ -50,11 +51,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | NormedRows,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
-    ) -> torch.Tensor:
+        after: NormAfter | None = None,
+    ) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
+        """x may be a folded norm's rows; with `after` the norm after the layer is folded into
+        o_proj (`linear.linear_then_norm`)."""
         tokens = x.shape[0]
         if self.qkv_proj is None:
             query_gate, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -95,7 +99,7 @@ class Attention(nn.Module):
                 self.o_split,
                 ctx.max_seq_len,
             )
-            return self.o_proj(gated)
+            return linear_then_norm(self.o_proj, gated, after)
         out = paged_attention_prefill(
             query,
             k_cache,
@@ -106,4 +110,4 @@ class Attention(nn.Module):
             ctx.seq_lens,
             scale,
         )
-        return self.o_proj(sigmoid_gate(out, gate, self.o_split))
+        return linear_then_norm(self.o_proj, sigmoid_gate(out, gate, self.o_split), after)

@@ -21,9 +21,10 @@ from ninfer.kernels.dispatch import (
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_from_x,
 )
+from ninfer.kernels.norm_fold import NormAfter, NormedRows
 from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.models.context import ForwardContext
-from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, fuse_into
+from ninfer.models.layers.linear import FusedLinear, GroupwiseLinear, fuse_into, linear_then_norm
 from ninfer.models.layers.norms import GatedRMSNorm
 
 # Up to this many tokens (decode batches, speculative verification) a kernel computes the dense
@@ -151,7 +152,12 @@ class GatedDeltaNet(nn.Module):
         )
         return conv, z, (g, beta)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | NormedRows, ctx: ForwardContext, after: NormAfter | None = None
+    ) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
+        """x may be a folded norm's rows (the in projection and the gates' kernel take them);
+        with `after` the norm after the layer is folded into out_proj
+        (`linear.linear_then_norm`)."""
         tokens = x.shape[0]
         # Where a kernel computes the gates from x (`ba_weight_for`): at a one-token decode
         # step the recurrent kernel (one launch fewer), else the conv's kernel.
@@ -188,4 +194,4 @@ class GatedDeltaNet(nn.Module):
         # `normed` holds the norm's output (and so its x split, kernels/x_split.py) alive
         # while out_proj reads the reshape: under inference mode a view keeps no base
         normed = self.norm(out, z)
-        return self.out_proj(normed.reshape(tokens, self.value_dim))
+        return linear_then_norm(self.out_proj, normed.reshape(tokens, self.value_dim), after)

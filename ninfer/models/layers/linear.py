@@ -30,9 +30,11 @@ from ninfer.errors import ArtifactError
 from ninfer.kernels.dispatch import (
     groupwise_dequant,
     groupwise_linear,
+    groupwise_linear_then_norm,
     integer_linear,
     takes_q6_linear,
 )
+from ninfer.kernels.norm_fold import REFERENCE_BLOCK, NormAfter, NormedRows, fold_norm
 from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.quant import EncodedTensor
 from ninfer.quant.groupwise import widen_to_q8
@@ -116,8 +118,14 @@ class GroupwiseLinear(nn.Module):
         the one-row weight's where there is one, as only one-row products read a split."""
         return self.one_row_format or self.format
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedRows) -> torch.Tensor:
+        """x may be a folded norm's rows (`kernels/norm_fold.py`), which the decode-sized
+        product takes as they are and any other reads materialized."""
         one_row = self.one_row
+        if isinstance(x, NormedRows):
+            if one_row is None and x.shape[0] <= GEMV_MAX_ROWS:
+                return groupwise_linear(x, self.encoded)
+            x = x.materialize()
         if one_row is not None and 0 < x.shape[0] <= INT_MAX_ROWS:
             return integer_linear(x.contiguous(), one_row)
         if one_row is not None and takes_q6_linear(x, one_row):
@@ -199,8 +207,12 @@ class FusedLinear(nn.Module):
         self.linear = linear
         self.split_sizes = tuple(out_features)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor | NormedRows) -> tuple[torch.Tensor, ...]:
         encoded = isinstance(self.linear, GroupwiseLinear)
+        if isinstance(x, NormedRows):
+            if encoded and x.shape[0] <= GEMV_MAX_ROWS:
+                return self.linear(x).split(self.split_sizes, dim=-1)
+            x = x.materialize()
         if x.device.type != "cpu" and not (encoded and x.shape[0] > GEMV_MAX_ROWS):
             return self.linear(x).split(self.split_sizes, dim=-1)
         outputs, start = [], 0
@@ -215,6 +227,19 @@ class FusedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"split_sizes={self.split_sizes}"
+
+
+def linear_then_norm(
+    linear: nn.Module, x: torch.Tensor, after: NormAfter | None
+) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
+    """linear(x), or with `after` the norm after it folded in: (norm(linear(x) + residual) as
+    `NormedRows`, linear(x) + residual), from the product's epilogue where it is kept encoded
+    and the kernel takes it (`dispatch.groupwise_linear_then_norm`), else computed after it."""
+    if after is None:
+        return linear(x)
+    if isinstance(linear, GroupwiseLinear) and linear.one_row is None:
+        return groupwise_linear_then_norm(x, linear.encoded, after)
+    return fold_norm(linear(x), after, REFERENCE_BLOCK)
 
 
 def fuse_linears(linears: Sequence[nn.Module]) -> FusedLinear | None:
