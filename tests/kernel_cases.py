@@ -121,6 +121,52 @@ def check_gdn_recurrent(
     assert relative_error(states, ref_states) < (1e-4 if state_dtype == torch.float32 else 1e-2)
 
 
+def check_gdn_recurrent_normed(
+    module,
+    query_lens: list[int],
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device,
+) -> None:
+    """The delta rule with the GDN output norm folded in (`recurrent_gated_delta_rule_normed`)
+    against the kernel without it, then the fold's reference (`norm_fold.fold_gated_norm`):
+    the same states bit for bit, the same weighted rows within one rounding (the reference
+    multiplies in another order), the sums of squares over the kernel's column blocks within
+    fp32 summation order; and materialized, the gated norm's output within the roundings of
+    both."""
+    from ninfer.kernels import gated_rms_norm as gated_norm_reference
+    from ninfer.kernels import norm_fold
+
+    q, k, v, g, beta, states, slots, query_start = gdn_inputs(
+        query_lens, num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0
+    )
+    z = torch.randn(v.shape[0], num_value_heads, value_dim + 4, device=device).to(dtype)
+    z = z[..., :value_dim]  # a view of the in projection's output, as the model passes it
+    weight = (torch.randn(value_dim, device=device) * 0.5 + 1).to(dtype)
+    plain_states = states.clone()
+    out = module.recurrent_gated_delta_rule(q, k, v, g, beta, plain_states, slots, query_start)
+    rows = module.recurrent_gated_delta_rule_normed(
+        q, k, v, g, beta, states, slots, query_start, z, weight, 1e-6
+    )
+    assert torch.equal(states, plain_states)
+    blocks = rows.squares.shape[-1]
+    want = norm_fold.fold_gated_norm(out, z, weight, 1e-6, value_dim // blocks)
+    assert rows.weighted.shape == want.weighted.shape and rows.head_dim == value_dim
+    ulp = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    bound = ulp * want.weighted.float().abs() + 1e-30
+    assert ((rows.weighted.float() - want.weighted.float()).abs() <= bound).all()
+    torch.testing.assert_close(rows.squares, want.squares, rtol=1e-5, atol=1e-30)
+    normed = gated_norm_reference.gated_rms_norm(out, z, weight, 1e-6)
+    got = rows.materialize().view(normed.shape)
+    # two roundings against the reference's three, each within half a unit
+    assert relative_error(got, normed) < (
+        2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    )
+
+
 def check_gdn_recurrent_from_x(
     recurrent_module,
     gates_module,

@@ -26,7 +26,7 @@ from ninfer.kernels import swiglu as swiglu_reference
 from ninfer.kernels.gdn_chunked_fla import HAS_FLA
 from ninfer.kernels.kernel_cache import persist_triton_cache
 from ninfer.kernels.moe_routing import Routes
-from ninfer.kernels.norm_fold import NormAfter, NormedRows
+from ninfer.kernels.norm_fold import FOLDED_ROWS, HeadNormedRows, NormAfter, NormedRows
 from ninfer.kernels.triton_support import HAS_TRITON, use_triton
 from ninfer.kernels.x_split import SplitRequest, blocks_hold_groups
 from ninfer.quant import EncodedTensor
@@ -196,6 +196,34 @@ def recurrent_gated_delta_rule(
     return module.recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
 
 
+def recurrent_gated_delta_rule_normed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> HeadNormedRows:
+    """`recurrent_gated_delta_rule` with the GDN output norm (gate z, weight) folded into its
+    output for the out projection to finish (`norm_fold.HeadNormedRows`): on CUDA in the
+    recurrent kernel, else the rule, then `norm_fold.fold_gated_norm`."""
+    if use_triton(q, states, z, norm_weight) and z.stride(-1) == 1:
+        from ninfer.kernels import gdn_recurrent_triton
+
+        return gdn_recurrent_triton.recurrent_gated_delta_rule_normed(
+            q, k, v, g, beta, states, state_slots, query_start, z, norm_weight, eps
+        )
+    from ninfer.kernels import norm_fold
+
+    out = recurrent_gated_delta_rule(q, k, v, g, beta, states, state_slots, query_start)
+    return norm_fold.fold_gated_norm(out, z, norm_weight, eps, out.shape[-1])
+
+
 def recurrent_gated_delta_rule_from_x(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -336,11 +364,13 @@ def gated_rms_norm(
     return reference.gated_rms_norm(x, z, weight, eps)
 
 
-def groupwise_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tensor:
+def groupwise_linear(
+    x: torch.Tensor | NormedRows | HeadNormedRows, weight: EncodedTensor
+) -> torch.Tensor:
     """x [M, K] @ W.T for an encoded [N, K] weight. x may be a folded norm's rows
-    (`norm_fold.NormedRows`): the Gluon product takes their factors in its epilogue; any
-    other kernel reads them materialized."""
-    if isinstance(x, NormedRows):
+    (`norm_fold`): the Gluon product takes their factors; any other kernel reads them
+    materialized."""
+    if isinstance(x, FOLDED_ROWS):
         if _takes_normed_rows(x, weight):
             from ninfer.kernels import groupwise_gemv_gluon
 
@@ -368,25 +398,27 @@ def takes_q6_linear(x: torch.Tensor, weight: EncodedTensor) -> bool:
     return groupwise_gemv_gluon.fits(x, weight)
 
 
-def _takes_normed_rows(x: NormedRows, weight: EncodedTensor) -> bool:
+def _takes_normed_rows(x: NormedRows | HeadNormedRows, weight: EncodedTensor) -> bool:
     if not (use_triton(x.weighted, x.squares, *weight.planes.values()) and x.dtype in _HALF):
         return False
     from ninfer.kernels import groupwise_gemv_gluon
 
-    return groupwise_gemv_gluon.fits(x.weighted, weight)
+    return groupwise_gemv_gluon.fits_normed(x, weight)
 
 
 def groupwise_linear_then_norm(
-    x: torch.Tensor, weight: EncodedTensor, after: NormAfter
+    x: torch.Tensor | HeadNormedRows, weight: EncodedTensor, after: NormAfter
 ) -> tuple[NormedRows, torch.Tensor]:
     """(norm(x @ W.T + residual) as `NormedRows`, x @ W.T + residual): a product with the
     RMSNorm after it folded into its epilogue (`norm_fold`) where the Gluon q4 product takes
-    it (`takes_norm_folds`), else the product, then `norm_fold.fold_norm`."""
+    it (`takes_norm_folds`), else the product, then `norm_fold.fold_norm`. x may be the GDN
+    output norm's folded rows (`norm_fold.HeadNormedRows`)."""
     from ninfer.kernels import norm_fold
 
     rows, n = x.shape[0], weight.shape[0]
+    plain = x.weighted if isinstance(x, HeadNormedRows) else x
     if (
-        takes_norm_folds(x)
+        takes_norm_folds(plain)
         and weight.format == "q4_g64_fp16"
         and after.residual.shape == (rows, n)
         and after.residual.is_contiguous()
@@ -396,7 +428,7 @@ def groupwise_linear_then_norm(
     ):
         from ninfer.kernels import groupwise_gemv_gluon
 
-        if groupwise_gemv_gluon.fits(x, weight):
+        if groupwise_gemv_gluon.fits_normed(x, weight):
             return groupwise_gemv_gluon.q4_linear(x, weight, after)
     return norm_fold.fold_norm(groupwise_linear(x, weight), after, norm_fold.REFERENCE_BLOCK)
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
 from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
+from ninfer.kernels.norm_fold import HeadNormedRows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 
@@ -73,6 +74,11 @@ def _recurrent_kernel(
     key_dim,
     value_dim,
     num_value_heads,
+    z_ptr,
+    stride_zt,
+    stride_zh,
+    norm_weight_ptr,
+    squares_ptr,
     RATIO: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -80,6 +86,7 @@ def _recurrent_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
     STATE_FIRST: tl.constexpr,
+    FOLD_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -120,6 +127,8 @@ def _recurrent_kernel(
         a_row = b_row + num_value_heads * stride_w
         A_log = tl.load(A_log_ptr + value_head).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + value_head).to(tl.float32)
+    if FOLD_NORM:
+        norm_weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     for t in range(begin, end):
         q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + rows, mask=row_mask, other=0.0)
         k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + rows, mask=row_mask, other=0.0)
@@ -128,6 +137,9 @@ def _recurrent_kernel(
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         v = tl.load(v_ptr + t * stride_vt + value_head * stride_vh + cols, mask=col_mask, other=0.0)
+        if FOLD_NORM:  # asked for with q, k and v, so that no load waits after the rule
+            z_at = z_ptr + t * stride_zt + value_head * stride_zh + cols
+            z = tl.load(z_at, mask=col_mask, other=0.0).to(tl.float32)
         if GATES_FROM_X:
             x_row = x_ptr + t * stride_xt
             b = tl.sum(_x_dot_rows(x_row, b_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN), axis=0)
@@ -143,6 +155,14 @@ def _recurrent_kernel(
         delta = (v.to(tl.float32) - predicted) * beta
         state = state + k[:, None] * delta[None, :]
         out = tl.sum(state * q[:, None], axis=0)
+        if FOLD_NORM:
+            # the output norm folded (`norm_fold.HeadNormedRows`): o as stored unfolded, times
+            # w and silu(z); its sum of squares over this block of the head's columns
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+            blocks = tl.num_programs(2)
+            square_at = (t * num_value_heads + value_head) * blocks + tl.program_id(2)
+            tl.store(squares_ptr + square_at, tl.sum(out * out, axis=0))
+            out = out * norm_weight * (z * tl.sigmoid(z))
         tl.store(
             out_ptr + t * stride_ot + value_head * stride_oh + cols,
             out.to(out_ptr.dtype.element_ty),
@@ -168,6 +188,30 @@ def recurrent_gated_delta_rule(
     if g.stride(1) != 1 or beta.stride(1) != 1:
         raise ValueError("g and beta need unit stride along heads")
     return _launch(q, k, v, states, state_slots, query_start, g=g, beta=beta)
+
+
+def recurrent_gated_delta_rule_normed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> HeadNormedRows:
+    """`recurrent_gated_delta_rule` with the GDN output norm (gate z [T, Hv, dv], unit stride
+    along dv; weight [dv]) folded into its output, for the out projection to finish
+    (`norm_fold.HeadNormedRows`, the sums over the kernel's column blocks)."""
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta need unit stride along heads")
+    if z.shape != v.shape or z.stride(2) != 1 or norm_weight.shape != (v.shape[2],):
+        raise ValueError(f"gate {tuple(z.shape)} or norm weight does not match o {tuple(v.shape)}")
+    fold = (z, norm_weight.contiguous(), eps)
+    return _launch(q, k, v, states, state_slots, query_start, g=g, beta=beta, fold=fold)
 
 
 def recurrent_gated_delta_rule_from_x(
@@ -222,9 +266,11 @@ def _launch(
     ba_weight: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fold: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor | HeadNormedRows:
     """The kernel with the gates given (g, beta) or computed from x (x, ba_weight, A_log,
-    dt_bias); the other set None."""
+    dt_bias); the other set None. With `fold` (z, the norm's weight, eps) the output norm is
+    folded in (`recurrent_gated_delta_rule_normed`)."""
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     key_dim = q.shape[2]
     if states.dtype not in STATE_DTYPES or states.stride(3) != 1 or states.stride(2) != value_dim:
@@ -234,14 +280,21 @@ def _launch(
             raise ValueError("q, k, v need unit stride along the head dimension")
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_seqs = state_slots.shape[0]
-    if num_seqs == 0 or v.shape[0] == 0:
-        return out
     # Narrow column blocks when few sequences, so that the grid still covers the SMs.
     block_v = min(next_power_of_2(value_dim), MAX_BLOCK_V)
     while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(v.device):
         block_v //= 2
+    blocks = triton.cdiv(value_dim, block_v)
+    z = norm_weight = squares = out  # unused unless folding
+    if fold is not None:
+        z, norm_weight, eps = fold
+        if value_dim % block_v:
+            raise ValueError(f"column blocks of {block_v} do not tile a head of {value_dim}")
+        squares = torch.empty(v.shape[0], num_value_heads, blocks, device=v.device)
+    if num_seqs == 0 or v.shape[0] == 0:
+        return out if fold is None else _head_normed(out, squares, eps)
     from_x = x is not None
-    grid = (num_seqs, num_value_heads, triton.cdiv(value_dim, block_v))
+    grid = (num_seqs, num_value_heads, blocks)
     _recurrent_kernel[grid](
         q,
         k,
@@ -274,6 +327,11 @@ def _launch(
         key_dim,
         value_dim,
         num_value_heads,
+        z,
+        z.stride(0),
+        z.stride(1),
+        norm_weight,
+        squares,
         RATIO=num_value_heads // q.shape[1],
         BLOCK_K=next_power_of_2(key_dim),
         BLOCK_V=block_v,
@@ -281,7 +339,13 @@ def _launch(
         HIDDEN=x.shape[1] if from_x else 0,
         BLOCK_HIDDEN=HIDDEN_BLOCK,
         STATE_FIRST=num_seqs <= STATE_FIRST_MAX_SEQS,
+        FOLD_NORM=fold is not None,
         num_warps=RECURRENT_WARPS,
         **pdl_options(q.device),
     )
-    return out
+    return out if fold is None else _head_normed(out, squares, eps)
+
+
+def _head_normed(out: torch.Tensor, squares: torch.Tensor, eps: float) -> HeadNormedRows:
+    tokens, heads, dim = out.shape
+    return HeadNormedRows(out.view(tokens, heads * dim), squares, dim, eps)

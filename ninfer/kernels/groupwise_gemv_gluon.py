@@ -46,7 +46,7 @@ import functools
 import torch
 import triton
 
-from ninfer.kernels.norm_fold import SQUARE_COLUMNS, NormAfter, NormedRows
+from ninfer.kernels.norm_fold import SQUARE_COLUMNS, HeadNormedRows, NormAfter, NormedRows
 from ninfer.kernels.pdl_triton import pdl_options
 from ninfer.kernels.triton_support import device_name, num_sms
 from ninfer.quant import EncodedTensor
@@ -89,6 +89,8 @@ WEIGHT_ORDER = (0, 3, 6, 5, 1, 2, 4)
 X_ORDER = (0, 3, 5, 6, 1, 2, 4)
 # The first tiles' codes and scales are asked for before the PDL wait.
 WEIGHTS_BEFORE_WAIT = True
+# Value heads a folded GDN output norm may have (their factors sit in shared memory).
+MAX_HEADS = 128
 
 if gluon is not None:
     _GROUP = gl.constexpr(GROUP)
@@ -315,11 +317,39 @@ sub.rn.bf16x2 $3, p3, bias;
     def _load_squares(squares_ptr, blocks, BLOCKS: gl.constexpr):
         """A folded norm's sums of squares of its `blocks` column blocks ([blocks, 8] fp32, x
         row m in column m), padded to BLOCKS with zeros (`_row_scale` adds them up)."""
-        LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+        # a thread holds blocks of one column: the sum over blocks is in-thread adds and two
+        # shuffles, not five shuffles a column
+        LAYOUT: gl.constexpr = gl.BlockedLayout([BLOCKS // 16, 1], [4, 8], [4, 1], [0, 1])
         block = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, LAYOUT))
         column = gl.arange(0, 8, layout=gl.SliceLayout(0, LAYOUT))
         at = gl.expand_dims(block, 1) * 8 + gl.expand_dims(column, 0)
         return gl.load(squares_ptr + at, mask=gl.expand_dims(block < blocks, 1), other=0.0)
+
+    @gluon.jit
+    def _head_scales(
+        squares_ptr,
+        M,
+        heads,
+        blocks,
+        eps,
+        HEAD_DIM: gl.constexpr,
+        HEADS: gl.constexpr,
+        BLOCKS: gl.constexpr,
+    ):
+        """rsqrt(mean(o^2) + eps) of each head and x row of a folded GDN output norm, [HEADS, 8]
+        (padding past M and `heads` is never read), from its sums of squares [M, heads,
+        blocks]."""
+        LAYOUT: gl.constexpr = gl.BlockedLayout([1, 1, BLOCKS], [32, 1, 1], [1, 4, 1], [2, 1, 0])
+        head = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LAYOUT)))
+        row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LAYOUT)))
+        block = gl.arange(0, BLOCKS, layout=gl.SliceLayout(0, gl.SliceLayout(1, LAYOUT)))
+        head3 = gl.expand_dims(gl.expand_dims(head, 1), 2)
+        row3 = gl.expand_dims(gl.expand_dims(row, 0), 2)
+        block3 = gl.expand_dims(gl.expand_dims(block, 0), 1)
+        at = (row3 * heads + head3) * blocks + block3
+        mask = (row3 < M) & (head3 < heads) & (block3 < blocks)
+        squares = gl.load(squares_ptr + at, mask=mask, other=0.0)
+        return gl.rsqrt(gl.sum(squares, axis=2) * (1.0 / HEAD_DIM) + eps)
 
     @gluon.jit
     def _row_scale(squares, inv_width, eps, MMA: gl.constexpr):
@@ -364,6 +394,10 @@ sub.rn.bf16x2 $3, p3, bias;
         square_blocks,
         inv_width,
         eps,
+        head_squares_ptr,
+        heads,
+        head_blocks,
+        head_eps,
         BN: gl.constexpr,
         GROUPS: gl.constexpr,
         STAGES: gl.constexpr,
@@ -375,6 +409,9 @@ sub.rn.bf16x2 $3, p3, bias;
         FOLD: gl.constexpr,
         ROW_SCALE: gl.constexpr,
         SQUARE_BLOCKS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        HEADS: gl.constexpr,
+        HEAD_BLOCKS: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -385,7 +422,9 @@ sub.rn.bf16x2 $3, p3, bias;
         x is a folded norm's weighted rows and each x row's factor, from the square_blocks
         sums at squares_in_ptr, multiplies the accumulator first; with FOLD the result is
         added to the residual and its norm's parts written instead (`_fold_out`; the module
-        `norm_fold` says what each side computes)."""
+        `norm_fold` says what each side computes). With HEAD_DIM, x is the GDN output norm's
+        folded rows: each group's product is also multiplied by its x rows' factors of the
+        head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks])."""
         R: gl.constexpr = BN // 64  # 16-row blocks per warp
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
@@ -499,6 +538,21 @@ sub.rn.bf16x2 $3, p3, bias;
             squares = _load_squares(squares_in_ptr, square_blocks, SQUARE_BLOCKS)
         else:
             squares = 0.0
+        if HEAD_DIM > 0:  # every head's factors, in shared memory for the loop to index
+            # written through a [HEADS, 8] view; a rank-1 layout, so that `index` gives one
+            # head's [8]
+            head_scales = gl.allocate_shared_memory(
+                gl.float32, [HEADS, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            )
+            table: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            _view(head_scales, gl.float32, [HEADS, 8], table).store(
+                _head_scales(
+                    head_squares_ptr, M, heads, head_blocks, head_eps, HEAD_DIM, HEADS, HEAD_BLOCKS
+                )
+            )
+            _barrier()
+        else:
+            head_scales = 0.0
         if FOLD:
             rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
             residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
@@ -549,6 +603,10 @@ sub.rn.bf16x2 $3, p3, bias;
                 scale = gl.convert_layout(
                     _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
                 )
+                if HEAD_DIM > 0:
+                    head = ((first + j) * GROUPS + g) * _GROUP // HEAD_DIM
+                    factors = head_scales.index(head).load(gl.SliceLayout(0, MMA))
+                    product = product * gl.expand_dims(factors, 0)
                 acc = acc + product * gl.expand_dims(scale, 1)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -609,6 +667,22 @@ def takes_weight(weight: EncodedTensor) -> bool:
     return (
         gluon is not None and weight.format in FORMATS and weight.shape[-1] % (GROUP * GROUPS) == 0
     )
+
+
+def fits_normed(x: torch.Tensor | NormedRows | HeadNormedRows, weight: EncodedTensor) -> bool:
+    """`fits` for x or a folded norm's rows (`norm_fold`): for the GDN output norm's, heads of
+    whole groups (so a group's factor is one head's) and at most MAX_HEADS of them."""
+    if isinstance(x, HeadNormedRows):
+        heads = x.squares.shape[1]
+        return (
+            x.head_dim % GROUP == 0
+            and heads <= MAX_HEADS
+            and x.squares.is_contiguous()
+            and fits(x.weighted, weight)
+        )
+    if isinstance(x, NormedRows):
+        return x.squares.is_contiguous() and fits(x.weighted, weight)
+    return fits(x, weight)
 
 
 def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
@@ -726,12 +800,14 @@ def _high_descriptor(high: torch.Tensor, block_n: int):
 
 
 def q4_linear(
-    x: torch.Tensor | NormedRows, weight: EncodedTensor, after: NormAfter | None = None
+    x: torch.Tensor | NormedRows | HeadNormedRows,
+    weight: EncodedTensor,
+    after: NormAfter | None = None,
 ) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
-    """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits` checked: [M, N] bf16.
-    x may be a folded norm's `NormedRows` (its rows' factors applied in the epilogue); with
-    `after`, returns (the norm after the product as `NormedRows`, product + residual)
-    (`norm_fold`)."""
+    """x [M, K] bf16 (M <= 8) times a q4_g64 weight [N, K] as `fits_normed` checked: [M, N]
+    bf16. x may be a folded norm's rows (`NormedRows`: each row's factor applied in the
+    epilogue; `HeadNormedRows`: each group's in the loop); with `after`, returns (the norm
+    after the product as `NormedRows`, product + residual) (`norm_fold`)."""
     return _launch(x, weight, swiglu=False, after=after)
 
 
@@ -761,7 +837,7 @@ def _splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
 
 
 def _launch(
-    x: torch.Tensor | NormedRows,
+    x: torch.Tensor | NormedRows | HeadNormedRows,
     weight: EncodedTensor,
     swiglu: bool,
     after: NormAfter | None = None,
@@ -769,8 +845,9 @@ def _launch(
     from ninfer.kernels.groupwise_gemv_triton import tile_counters
 
     normed = x if isinstance(x, NormedRows) else None
-    if normed is not None:
-        x = normed.weighted
+    head_normed = x if isinstance(x, HeadNormedRows) else None
+    if normed is not None or head_normed is not None:
+        x = x.weighted
     codes, scales = weight.planes["codes"], weight.planes["scales"]
     m, k = x.shape
     n = weight.shape[0]
@@ -794,6 +871,11 @@ def _launch(
         squares = torch.empty(blocks, SQUARE_COLUMNS, dtype=torch.float32, device=x.device)
     if normed is not None:
         squares_in, eps, square_blocks = normed.squares, normed.eps, normed.squares.shape[0]
+    head_squares, heads, head_blocks, head_eps, head_dim = out, 1, 1, 0.0, 0
+    if head_normed is not None:
+        head_squares, head_dim = head_normed.squares, head_normed.head_dim
+        heads, head_blocks = head_squares.shape[1], head_squares.shape[2]
+        head_eps = head_normed.eps
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(blocks, splits)](
         x_desc,
@@ -815,6 +897,10 @@ def _launch(
         square_blocks,
         1.0 / k,
         eps,
+        head_squares,
+        heads,
+        head_blocks,
+        head_eps,
         BN=block_n,
         GROUPS=GROUPS,
         STAGES=stages,
@@ -825,6 +911,9 @@ def _launch(
         FOLD=after is not None,
         ROW_SCALE=normed is not None,
         SQUARE_BLOCKS=max(16, triton.next_power_of_2(square_blocks)),
+        HEAD_DIM=head_dim,
+        HEADS=max(32, triton.next_power_of_2(heads)),
+        HEAD_BLOCKS=triton.next_power_of_2(head_blocks),
         num_warps=4,
         **pdl_options(x.device),
     )

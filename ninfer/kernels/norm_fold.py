@@ -19,7 +19,13 @@ to the activation dtype before the product, where the unfused norm rounds u * s;
 rounding of the same value scaled, so the folded products agree with the unfused ones to that
 dtype's precision, not bit for bit.
 
-This module is the reference (torch) and the carrier type; the GPU form is in
+The GDN output norm folds the same way into the out projection after it
+(`HeadNormedRows`): its factor is one per row and value head, rsqrt(mean over the head of
+o^2 + eps), and a head's columns are whole groups of the product's K, so the product takes
+each group's factor with its scale. The recurrent kernel before it writes u = o * w * silu(z)
+and the sums of o^2 over its block of each head's columns; the gated norm's launch goes.
+
+This module is the reference (torch) and the carrier types; the GPU form is in
 `groupwise_gemv_gluon` (the products) and `gdn_gates_triton` (the GDN gates, which read the
 layer input too). Importable without Triton."""
 
@@ -70,6 +76,44 @@ class NormedRows:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadNormedRows:
+    """The GDN output norm, silu(z) * w * o * rsqrt(mean(o^2) + eps) per row and value head of
+    o [rows, heads, head_dim], held as u = o * w * silu(z), `weighted` [rows, heads *
+    head_dim], and the sums of o^2 over blocks of each head's columns, `squares` [rows, heads,
+    blocks] fp32."""
+
+    weighted: torch.Tensor
+    squares: torch.Tensor
+    head_dim: int
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weighted.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.weighted.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weighted.dtype
+
+    def head_scale(self) -> torch.Tensor:
+        """rsqrt(mean(o^2) + eps) of each row and head, fp32 [rows, heads]."""
+        return torch.rsqrt(self.squares.sum(dim=-1) / self.head_dim + self.eps)
+
+    def materialize(self) -> torch.Tensor:
+        rows, heads = self.squares.shape[:2]
+        values = self.weighted.float().view(rows, heads, self.head_dim)
+        scaled = values * self.head_scale()[:, :, None]
+        return scaled.view(rows, heads * self.head_dim).to(self.weighted.dtype)
+
+
+FOLDED_ROWS = (NormedRows, HeadNormedRows)
+
+
+@dataclass(frozen=True, slots=True)
 class NormAfter:
     """What a product is asked to fold in after itself: the residual stream its output is
     added to and the (1 + w) RMSNorm of that sum (`weight`, `eps`)."""
@@ -95,3 +139,19 @@ def fold_norm(y: torch.Tensor, after: NormAfter, block: int) -> tuple[NormedRows
     squares = torch.zeros(blocks, SQUARE_COLUMNS, dtype=torch.float32, device=y.device)
     squares[:, :rows] = padded.view(rows, blocks, block).sum(dim=-1).T
     return NormedRows(weighted, squares, after.eps), total
+
+
+def fold_gated_norm(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, block: int
+) -> HeadNormedRows:
+    """The GDN output norm of o [rows, heads, head_dim] with gate z (same shape) and weight
+    [head_dim] as `HeadNormedRows`, the sums of squares over blocks of `block` columns of each
+    head (block divides head_dim); what the folding recurrent kernel writes."""
+    rows, heads, head_dim = o.shape
+    if head_dim % block:
+        raise ValueError(f"blocks of {block} columns do not tile a head of {head_dim}")
+    values = o.float()
+    gate = z.float()
+    weighted = (values * weight.float() * (gate * torch.sigmoid(gate))).to(o.dtype)
+    squares = values.pow(2).view(rows, heads, head_dim // block, block).sum(dim=-1)
+    return HeadNormedRows(weighted.view(rows, heads * head_dim), squares, head_dim, eps)

@@ -185,3 +185,42 @@ def test_q4_model_folds_its_norms_at_two_to_eight_rows(q4_artifact, monkeypatch)
     best = max(plain, key=plain.get)
     assert max(folded, key=folded.get) == best
     assert abs(folded[best] - plain[best]) < 0.05
+
+
+@pytest.mark.parametrize("seqs", [2, 8])
+def test_recurrent_rule_folds_the_output_norm(seqs):
+    """The 27B GDN heads at a decode step of two and eight sequences (column blocks of 32 and
+    64)."""
+    from kernel_cases import check_gdn_recurrent_normed
+
+    from ninfer.kernels import gdn_recurrent_triton
+
+    torch.manual_seed(seqs)
+    check_gdn_recurrent_normed(
+        gdn_recurrent_triton, [1] * seqs, 16, 48, 128, 128, torch.bfloat16, "cuda"
+    )
+
+
+@pytest.mark.parametrize("m", [2, 8])
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_out_projection_takes_the_output_norms_rows(m, blocks):
+    """The 27B GDN out projection (K split in three): each group scaled by its head's factors,
+    within the bf16 rounding of the fp32 product of the rows' exact values; with the next norm
+    folded in, the sum and weighted rows bit for bit the plain product's then the fold's."""
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.kernels.norm_fold import HeadNormedRows
+
+    torch.manual_seed(m * blocks)
+    heads, dim = 48, 128
+    weighted = torch.randn(m, heads * dim, device="cuda").to(torch.bfloat16)
+    squares = torch.rand(m, heads, blocks, device="cuda") * dim / blocks * 4
+    rows = HeadNormedRows(weighted, squares, dim, 1e-6)
+    exact_x = weighted.float().view(m, heads, dim) * rows.head_scale()[:, :, None]
+    weight = _weight(5120, heads * dim)
+    exact = exact_x.view(m, -1) @ weight.decode(torch.float32).T
+    out = groupwise_gemv_gluon.q4_linear(rows, weight)
+    assert relative_error(out, exact) < 4e-3
+    after = _after(m, 5120)
+    normed, total = groupwise_gemv_gluon.q4_linear(rows, weight, after)
+    want_normed, want_total = fold_norm(out, after, 64)
+    assert torch.equal(total, want_total) and torch.equal(normed.weighted, want_normed.weighted)

@@ -111,3 +111,36 @@ def test_a_plain_consumer_reads_the_rows_materialized():
     assert torch.equal(total, want_total)
     assert torch.equal(rows.materialize(), want_rows.materialize())
     assert isinstance(rows, NormedRows)
+
+
+@pytest.mark.parametrize(("dtype"), [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("implementation", ["triton", "reference"])
+def test_recurrent_rule_folds_the_output_norm(implementation, dtype):
+    """Three sequences of one token (a decode step) and a verification-sized one, column
+    blocks narrower than a head (the kernel's at few sequences)."""
+    from kernel_cases import check_gdn_recurrent_normed
+
+    from ninfer.kernels import dispatch
+
+    torch.manual_seed(3)
+    if implementation == "triton":
+        triton_interpreter.require_interpreter()
+        module = triton_interpreter.load_kernel_module("gdn_recurrent_triton")
+    else:  # the CPU path of the entry point, the rule then the fold
+        module = dispatch
+    check_gdn_recurrent_normed(module, [1, 1, 3, 1], 2, 4, 16, 32, dtype, "cpu")
+
+
+def test_gated_fold_materializes_to_the_gated_norm():
+    from ninfer.kernels import gated_rms_norm as gated_norm_reference
+    from ninfer.kernels.norm_fold import fold_gated_norm
+
+    torch.manual_seed(4)
+    o, z = torch.randn(5, 6, 64), torch.randn(5, 6, 64)
+    weight = torch.randn(64) * 0.5 + 1
+    rows = fold_gated_norm(o, z, weight, 1e-6, 16)
+    assert rows.squares.shape == (5, 6, 4)
+    want = gated_norm_reference.gated_rms_norm(o, z, weight, 1e-6)
+    torch.testing.assert_close(rows.materialize(), want.view(5, 384), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="do not tile"):
+        fold_gated_norm(o, z, weight, 1e-6, 48)

@@ -1,7 +1,7 @@
 """Decoder norms folded into their neighbouring products (`kernels/norm_fold.py`), on the CPU:
 the model's wiring (which product folds which norm, what each layer hands the next) through
 the reference fallbacks, against the model with every norm its own call; and which models
-fold. The GPU kernels run it in tests/gpu/test_gluon_gemv_gpu.py."""
+fold. The GPU kernels run it in tests/gpu/test_norm_fold_gpu.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def dense_model(tmp_path_factory):
 
 
 def _steps(model, steps, calls: list | None = None, counts: list | None = None):
-    """The logits of each step, two sequences; with `calls`, the length it reached during
-    each step is put in `counts`."""
+    """The logits of each step, two sequences; with `calls`, what it held after each step is
+    put in `counts` (it is cleared before each)."""
     runner = Runner(model)
     runner.add("a")
     runner.add("b")
@@ -31,29 +31,33 @@ def _steps(model, steps, calls: list | None = None, counts: list | None = None):
             calls.clear()
         out.append(torch.cat(list(runner.step(step).values())))
         if calls is not None:
-            counts.append(len(calls))
+            counts.append(sorted(calls))
     return out
 
 
-# rows per step: 2 to 8 fold, 1 and 9 do not
+# rows per step: 2 to 8 fold, 1 and 9 do not; the third is a decode step of two sequences
 STEPS = [{"a": [3, 17, 40, 5, 88, 1, 60]}, {"a": [9], "b": [4, 70]}, {"a": [21], "b": [7]}]
 STEPS += [{"a": [5]}, {"a": list(range(30, 39))}]
 
 
 def test_folded_norms_give_the_model_within_the_rounding_they_move(dense_model, monkeypatch):
-    """fp32: the folded model's logits are the unfolded one's but for the order of the norm's
-    multiplications; the folded steps call the norm twice (the first layer's input norm and
-    the final norm), the others once per norm."""
+    """fp32: the folded model's logits are the unfolded one's but for the order of the norms'
+    multiplications. Folded steps call the RMS norm twice (the first layer's input norm and
+    the final norm), and a folded decode step no GDN output norm; the others call each norm
+    once a layer."""
     want = _steps(dense_model, STEPS)
     calls = []
-    real = norms.rms_norm
-    monkeypatch.setattr(norms, "rms_norm", lambda *args: calls.append(1) or real(*args))
+    rms, gated = norms.rms_norm, norms.gated_rms_norm
+    monkeypatch.setattr(norms, "rms_norm", lambda *args: calls.append("rms") or rms(*args))
+    monkeypatch.setattr(norms, "gated_rms_norm", lambda *a: calls.append("gated") or gated(*a))
     monkeypatch.setattr(qwen3_5, "takes_norm_folds", lambda x: 2 <= x.shape[0] <= 8)
     monkeypatch.setattr(dense_model, "fold_norms", True)
     counts = []
     got = _steps(dense_model, STEPS, calls, counts)
-    norms_per_step = 2 * len(dense_model.layers) + 1
-    assert counts == [2, 2, 2, norms_per_step, norms_per_step]
+    layers = dense_model.layers
+    gdn = ["gated"] * sum(layer.layer_type == "linear_attention" for layer in layers)
+    unfolded = gdn + ["rms"] * (2 * len(layers) + 1)
+    assert counts == [gdn + ["rms"] * 2, gdn + ["rms"] * 2, ["rms"] * 2, unfolded, unfolded]
     for ours, ref in zip(got, want, strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 

@@ -212,6 +212,27 @@ def cases():
             rows, torch.randn(96, n, dtype=BF16), torch.randn(48), torch.randn(48)
         )
 
+    def gdn_output_norm_folded() -> None:
+        # the recurrent kernel writing the GDN output norm's parts, the out projection
+        # taking them with the next norm folded in (27B, eight sequences)
+        from ninfer.kernels import groupwise_gemv_gluon
+        from ninfer.kernels.norm_fold import NormAfter
+
+        t, hk, hv, dk, dv = 8, 16, 48, 128, 128
+        q, k = torch.randn(t, hk, dk, dtype=BF16), torch.randn(t, hk, dk, dtype=BF16)
+        v, z = torch.randn(t, hv, dv, dtype=BF16), torch.randn(t, hv, dv, dtype=BF16)
+        g, beta = -torch.rand(t, hv), torch.rand(t, hv, dtype=BF16)
+        states = torch.zeros(t, hv, dk, dv)
+        slots, starts = torch.arange(t, dtype=torch.int32), torch.arange(t + 1, dtype=torch.int32)
+        rows = gdn_recurrent_triton.recurrent_gated_delta_rule_normed(
+            q, k, v, g, beta, states, slots, starts, z, torch.randn(dv, dtype=BF16), 1e-6
+        )
+        rows = type(rows)(torch.randn(t, hv * dv, dtype=BF16), rows.squares, dv, 1e-6)
+        weight = get_format(q4).encode(torch.randn(5120, hv * dv) * 0.05)
+        after = NormAfter(torch.randn(t, 5120, dtype=BF16), torch.randn(5120, dtype=BF16), 1e-6)
+        groupwise_gemv_gluon.q4_linear(rows, weight, after)
+        groupwise_gemv_gluon.q4_linear(rows, weight)
+
     def x_split_producers():
         x = torch.randn(1, 5120, dtype=BF16)
         rms_norm_triton.rms_norm(x, torch.randn(5120, dtype=BF16), 1e-6, x.clone(), split)
@@ -338,6 +359,7 @@ def cases():
         ("tensor-core gemv q4 in gluon, norm folded", lambda: gluon_q4_folded(8, 5120, 6144)),
         ("tensor-core gemv q4 in gluon, norm folded, split-K",
             lambda: gluon_q4_folded(8, 5120, 17408)),
+        ("gdn output norm folded", gdn_output_norm_folded),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),

@@ -20,6 +20,7 @@ from ninfer.kernels.dispatch import (
     groupwise_linear_conv,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_from_x,
+    recurrent_gated_delta_rule_normed,
 )
 from ninfer.kernels.norm_fold import NormAfter, NormedRows
 from ninfer.kernels.x_split import INT_MAX_ROWS
@@ -157,7 +158,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
         """x may be a folded norm's rows (the in projection and the gates' kernel take them);
         with `after` the norm after the layer is folded into out_proj
-        (`linear.linear_then_norm`)."""
+        (`linear.linear_then_norm`), and at a decode step the output norm before it too."""
         tokens = x.shape[0]
         # Where a kernel computes the gates from x (`ba_weight_for`): at a one-token decode
         # step the recurrent kernel (one launch fewer), else the conv's kernel.
@@ -187,6 +188,24 @@ class GatedDeltaNet(nn.Module):
                 ctx.state_slots,
                 ctx.query_start,
             )
+        elif after is not None and ctx.is_decode:
+            # folding the norms: the output norm in the recurrent kernel and out_proj too
+            # (`norm_fold.HeadNormedRows`), one launch fewer
+            z = z.view(tokens, self.num_value_heads, self.value_head_dim)
+            normed_out = recurrent_gated_delta_rule_normed(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                states,
+                ctx.state_slots,
+                ctx.query_start,
+                z,
+                self.norm.weight,
+                self.norm.eps,
+            )
+            return linear_then_norm(self.out_proj, normed_out, after)
         else:
             rule = recurrent_gated_delta_rule if ctx.is_decode else chunk_gated_delta_rule
             out = rule(query, key, value, g, beta, states, ctx.state_slots, ctx.query_start)

@@ -34,7 +34,14 @@ from ninfer.kernels.dispatch import (
     integer_linear,
     takes_q6_linear,
 )
-from ninfer.kernels.norm_fold import REFERENCE_BLOCK, NormAfter, NormedRows, fold_norm
+from ninfer.kernels.norm_fold import (
+    FOLDED_ROWS,
+    REFERENCE_BLOCK,
+    HeadNormedRows,
+    NormAfter,
+    NormedRows,
+    fold_norm,
+)
 from ninfer.kernels.x_split import INT_MAX_ROWS
 from ninfer.quant import EncodedTensor
 from ninfer.quant.groupwise import widen_to_q8
@@ -118,11 +125,11 @@ class GroupwiseLinear(nn.Module):
         the one-row weight's where there is one, as only one-row products read a split."""
         return self.one_row_format or self.format
 
-    def forward(self, x: torch.Tensor | NormedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedRows | HeadNormedRows) -> torch.Tensor:
         """x may be a folded norm's rows (`kernels/norm_fold.py`), which the decode-sized
         product takes as they are and any other reads materialized."""
         one_row = self.one_row
-        if isinstance(x, NormedRows):
+        if isinstance(x, FOLDED_ROWS):
             if one_row is None and x.shape[0] <= GEMV_MAX_ROWS:
                 return groupwise_linear(x, self.encoded)
             x = x.materialize()
@@ -207,9 +214,9 @@ class FusedLinear(nn.Module):
         self.linear = linear
         self.split_sizes = tuple(out_features)
 
-    def forward(self, x: torch.Tensor | NormedRows) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor | NormedRows | HeadNormedRows) -> tuple[torch.Tensor, ...]:
         encoded = isinstance(self.linear, GroupwiseLinear)
-        if isinstance(x, NormedRows):
+        if isinstance(x, FOLDED_ROWS):
             if encoded and x.shape[0] <= GEMV_MAX_ROWS:
                 return self.linear(x).split(self.split_sizes, dim=-1)
             x = x.materialize()
@@ -230,15 +237,18 @@ class FusedLinear(nn.Module):
 
 
 def linear_then_norm(
-    linear: nn.Module, x: torch.Tensor, after: NormAfter | None
+    linear: nn.Module, x: torch.Tensor | HeadNormedRows, after: NormAfter | None
 ) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
     """linear(x), or with `after` the norm after it folded in: (norm(linear(x) + residual) as
     `NormedRows`, linear(x) + residual), from the product's epilogue where it is kept encoded
-    and the kernel takes it (`dispatch.groupwise_linear_then_norm`), else computed after it."""
+    and the kernel takes it (`dispatch.groupwise_linear_then_norm`), else computed after it.
+    x may be the GDN output norm's folded rows."""
     if after is None:
         return linear(x)
     if isinstance(linear, GroupwiseLinear) and linear.one_row is None:
         return groupwise_linear_then_norm(x, linear.encoded, after)
+    if isinstance(x, HeadNormedRows) and not isinstance(linear, GroupwiseLinear):
+        x = x.materialize()
     return fold_norm(linear(x), after, REFERENCE_BLOCK)
 
 
