@@ -115,9 +115,10 @@ def test_a_plain_consumer_reads_the_rows_materialized():
 
 @pytest.mark.parametrize(("dtype"), [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("implementation", ["triton", "reference"])
-def test_recurrent_rule_folds_the_output_norm(implementation, dtype):
+def test_recurrent_rule_folds_the_output_norm(monkeypatch, implementation, dtype):
     """Three sequences of one token (a decode step) and a verification-sized one, column
-    blocks narrower than a head (the kernel's at few sequences)."""
+    blocks narrower than a head (the kernel's at few sequences on a GPU of 132 SMs: two per
+    head here)."""
     from kernel_cases import check_gdn_recurrent_normed
 
     from ninfer.kernels import dispatch
@@ -126,6 +127,7 @@ def test_recurrent_rule_folds_the_output_norm(implementation, dtype):
     if implementation == "triton":
         triton_interpreter.require_interpreter()
         module = triton_interpreter.load_kernel_module("gdn_recurrent_triton")
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
     else:  # the CPU path of the entry point, the rule then the fold
         module = dispatch
     check_gdn_recurrent_normed(module, [1, 1, 3, 1], 2, 4, 16, 32, dtype, "cpu")
