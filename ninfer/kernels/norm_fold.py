@@ -42,15 +42,12 @@ SQUARE_COLUMNS = 8
 REFERENCE_BLOCK = 64
 
 
-@dataclass(frozen=True, slots=True)
-class NormedRows:
-    """norm(h) for `rows` rows, held as the weighted rows u = h * (1 + w) [rows, N] and the
-    sums of h^2 over blocks of h's columns, `squares` [blocks, SQUARE_COLUMNS] fp32 (row m
-    in column m). Row m of the norm is u[m] * rsqrt(squares[:, m].sum() / N + eps)."""
+class _FoldedRows:
+    """What a folded norm's rows answer as the tensor they stand for would: the shape, device
+    and dtype of their weighted rows."""
 
+    __slots__ = ()
     weighted: torch.Tensor
-    squares: torch.Tensor
-    eps: float
 
     @property
     def shape(self) -> torch.Size:
@@ -63,6 +60,17 @@ class NormedRows:
     @property
     def dtype(self) -> torch.dtype:
         return self.weighted.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class NormedRows(_FoldedRows):
+    """norm(h) for `rows` rows, held as the weighted rows u = h * (1 + w) [rows, N] and the
+    sums of h^2 over blocks of h's columns, `squares` [blocks, SQUARE_COLUMNS] fp32 (row m
+    in column m). Row m of the norm is u[m] * rsqrt(squares[:, m].sum() / N + eps)."""
+
+    weighted: torch.Tensor
+    squares: torch.Tensor
+    eps: float
 
     def row_scale(self) -> torch.Tensor:
         """s_m = rsqrt(mean(h_m^2) + eps) of each row, fp32 [rows]."""
@@ -76,7 +84,7 @@ class NormedRows:
 
 
 @dataclass(frozen=True, slots=True)
-class HeadNormedRows:
+class HeadNormedRows(_FoldedRows):
     """The GDN output norm, silu(z) * w * o * rsqrt(mean(o^2) + eps) per row and value head of
     o [rows, heads, head_dim], held as u = o * w * silu(z), `weighted` [rows, heads *
     head_dim], and the sums of o^2 over blocks of each head's columns, `squares` [rows, heads,
@@ -86,18 +94,6 @@ class HeadNormedRows:
     squares: torch.Tensor
     head_dim: int
     eps: float
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.weighted.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.weighted.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.weighted.dtype
 
     def head_scale(self) -> torch.Tensor:
         """rsqrt(mean(o^2) + eps) of each row and head, fp32 [rows, heads]."""
