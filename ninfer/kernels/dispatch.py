@@ -419,7 +419,6 @@ def groupwise_linear_then_norm(
     plain = x.weighted if isinstance(x, HeadNormedRows) else x
     if (
         takes_norm_folds(plain)
-        and weight.format == "q4_g64_fp16"
         and after.residual.shape == (rows, n)
         and after.residual.is_contiguous()
         and after.residual.dtype == x.dtype
@@ -428,7 +427,7 @@ def groupwise_linear_then_norm(
     ):
         from ninfer.kernels import groupwise_gemv_gluon
 
-        if groupwise_gemv_gluon.fits_normed(x, weight):
+        if groupwise_gemv_gluon.takes_norm_after(x, weight):
             return groupwise_gemv_gluon.q4_linear(x, weight, after)
     return norm_fold.fold_norm(groupwise_linear(x, weight), after, norm_fold.REFERENCE_BLOCK)
 

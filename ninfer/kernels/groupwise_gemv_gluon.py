@@ -685,6 +685,22 @@ def fits_normed(x: torch.Tensor | NormedRows | HeadNormedRows, weight: EncodedTe
     return fits(x, weight)
 
 
+def takes_norm_after(x: torch.Tensor | HeadNormedRows, weight: EncodedTensor) -> bool:
+    """Whether `q4_linear` with `after` folds the norm into this product: as `fits_normed`,
+    for a q4_g64 weight, and where K is split, with the split-K counters at hand (the last
+    split to arrive runs the folded epilogue)."""
+    from ninfer.kernels.groupwise_gemv_triton import tile_counters
+
+    if weight.format != "q4_g64_fp16" or not fits_normed(x, weight):
+        return False
+    n, k = weight.shape
+    device = x.device
+    splits, _ = _splits(n, k, device)
+    return (
+        splits == 1 or tile_counters(device, triton.cdiv(n, _config(n, k, device)[0])) is not None
+    )
+
+
 def fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
     """Whether `q4_linear` (`q6_linear`) takes this product: q4_g64 (q6_g64) weights, 2..8 bf16
     x rows on a Hopper or later GPU, K a multiple of 512 (TMA needs the scales' rows 16-byte
@@ -866,7 +882,9 @@ def _launch(
     residual = norm_weight = total = squares = squares_in = out
     eps, square_blocks = 0.0, 1
     if after is not None:
-        residual, norm_weight, eps = after.residual, after.weight, after.eps
+        if splits > 1 and counters is None:
+            raise RuntimeError("a folded norm needs the split-K counters (`takes_norm_after`)")
+        residual, norm_weight = after.residual, after.weight
         total = torch.empty_like(out)
         squares = torch.empty(blocks, SQUARE_COLUMNS, dtype=torch.float32, device=x.device)
     if normed is not None:

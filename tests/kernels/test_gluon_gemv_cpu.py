@@ -161,3 +161,25 @@ def test_the_q6_pair_instructions_are_the_ones_emulated():
         "mov.b32 bias, 0x43204320;",
     ):
         assert line in ptx
+
+
+def test_a_norm_folds_into_a_split_product_only_with_its_counters(monkeypatch):
+    """The folded epilogue runs in the last split to arrive, so a product whose K is split
+    folds only where the split-K counters exist (not allocated inside a graph capture): else
+    the dispatch folds after the product. Shapes of the 27B down (split) and gate|up (not)."""
+    from ninfer.kernels import groupwise_gemv_gluon, groupwise_gemv_triton
+    from ninfer.quant import get_format
+
+    monkeypatch.setattr(groupwise_gemv_gluon, "fits_normed", lambda x, weight: True)
+    monkeypatch.setattr(groupwise_gemv_gluon, "num_sms", lambda device: 132)
+    x = torch.zeros(8, 64)
+    down = get_format("q4_g64_fp16").encode(torch.zeros(5120, 17408))
+    gate_up = get_format("q4_g64_fp16").encode(torch.zeros(34816, 512))
+    assert groupwise_gemv_gluon._splits(5120, 17408, x.device)[0] > 1
+    assert groupwise_gemv_gluon._splits(34816, 512, x.device)[0] == 1
+    for counters in (torch.zeros(4096, dtype=torch.int32), None):
+        monkeypatch.setattr(groupwise_gemv_triton, "tile_counters", lambda d, n, c=counters: c)
+        assert groupwise_gemv_gluon.takes_norm_after(x, down) == (counters is not None)
+        assert groupwise_gemv_gluon.takes_norm_after(x, gate_up)
+    q8 = get_format("q8_g32_fp16").encode(torch.zeros(64, 512))
+    assert not groupwise_gemv_gluon.takes_norm_after(x, q8)
