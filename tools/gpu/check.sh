@@ -39,6 +39,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   group kernels "${KERNELS_LIMIT:-450}" tests/gpu/test_int_gemv_gpu.py tests/gpu/test_gluon_gemv_gpu.py tests/gpu/test_triton_kernels.py tests/gpu/test_attention_prelude_gpu.py tests/gpu/test_fused_projections_gpu.py tests/gpu/test_x_split_gpu.py
   group moe "${MOE_LIMIT:-150}" tests/gpu/test_moe_gpu.py tests/gpu/test_moe_router_gpu.py
   group engine "${ENGINE_LIMIT:-240}" tests/gpu/test_graphs_gpu.py tests/gpu/test_engine_gpu.py
+  group folds "${FOLDS_LIMIT:-240}" tests/gpu/test_norm_fold_gpu.py
   group prefill "${PREFILL_LIMIT:-240}" tests/gpu/test_triton_prefill_kernels.py tests/gpu/test_prefill_gpu.py
   # tensor and expert parallelism over NCCL: skipped with fewer than two GPUs
   group parallel "${PARALLEL_LIMIT:-300}" tests/gpu/test_parallel_gpu.py
