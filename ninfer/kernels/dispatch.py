@@ -411,19 +411,19 @@ def groupwise_linear_then_norm(
 ) -> tuple[NormedRows, torch.Tensor]:
     """(norm(x @ W.T + residual) as `NormedRows`, x @ W.T + residual): a product with the
     RMSNorm after it folded into its epilogue (`norm_fold`) where the Gluon q4 product takes
-    it (`takes_norm_folds`), else the product, then `norm_fold.fold_norm`. x may be the GDN
-    output norm's folded rows (`norm_fold.HeadNormedRows`)."""
+    it (`groupwise_gemv_gluon.takes_norm_after`), else the product, then
+    `norm_fold.fold_norm`. x may be the GDN output norm's folded rows
+    (`norm_fold.HeadNormedRows`)."""
     from ninfer.kernels import norm_fold
 
     rows, n = x.shape[0], weight.shape[0]
     plain = x.weighted if isinstance(x, HeadNormedRows) else x
     if (
-        takes_norm_folds(plain)
-        and after.residual.shape == (rows, n)
+        after.residual.shape == (rows, n)
         and after.residual.is_contiguous()
         and after.residual.dtype == x.dtype
         and after.weight.is_contiguous()
-        and use_triton(after.residual, after.weight, *weight.planes.values())
+        and use_triton(plain, after.residual, after.weight, *weight.planes.values())
     ):
         from ninfer.kernels import groupwise_gemv_gluon
 
