@@ -639,6 +639,55 @@ def gluon_q4_settings() -> None:
     gluon_q4.TUNED = tuned
 
 
+def gdn_in_projection_conv_gates() -> None:
+    """The 27B and 35B-A3B GDN in projections at eight decode sequences: the Gluon product
+    alone, then the conv and gates kernel after it (two launches), against the one kernel
+    with the conv in its epilogue, without and with the gates programs in its grid."""
+    copy = copy_bandwidth(DEVICE)
+    print(f"{'in projection':18} {'form':>30} {'us':>7} {'of copy':>8}")
+    for channels, z, heads, hidden in ((10240, 6144, 48, 5120), (8192, 4096, 32, 2048)):
+        _in_projection_forms(copy, channels, z, heads, hidden)
+
+
+def _in_projection_forms(copy: float, channels: int, z: int, heads: int, hidden: int) -> None:
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
+
+    n = channels + z
+    nbytes = Q4.encoded_nbytes((n, hidden))
+    weights = [
+        Q4.encode(torch.randn(n, hidden, device=DEVICE) * 0.02)
+        for _ in range(max(2, math.ceil(240e6 / nbytes)))
+    ]
+    m = 8
+    x = torch.randn(m, hidden, device=DEVICE, dtype=BF16)
+    taps = torch.randn(channels, 4, device=DEVICE, dtype=BF16)
+    windows = torch.randn(m, channels, 3, device=DEVICE, dtype=BF16)
+    slots = torch.arange(m, device=DEVICE, dtype=torch.int32)
+    starts = torch.arange(m + 1, device=DEVICE, dtype=torch.int32)
+    ba = torch.randn(2 * heads, hidden, device=DEVICE, dtype=BF16) * hidden**-0.5
+    A_log, dt_bias = torch.randn(heads, device=DEVICE), torch.randn(heads, device=DEVICE)
+    conv = gluon_gemv.GdnConv(taps, windows, slots)
+    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
+
+    def apart(w):
+        out = gluon_gemv.q4_linear(x, w)
+        causal_conv1d_triton.causal_conv1d_and_gates(
+            out[:, :channels], taps, windows, slots, starts, x, ba, A_log, dt_bias
+        )
+
+    forms = {
+        "product alone": lambda w: gluon_gemv.q4_linear(x, w),
+        "product, conv and gates kernel": apart,
+        "one kernel, conv": lambda w: gluon_gemv.q4_linear_conv(x, w, conv),
+        "one kernel, conv and gates": lambda w: gluon_gemv.q4_linear_conv(x, w, conv, gates),
+    }
+    for label, form in forms.items():
+        us = median_us(rotating([partial(form, w) for w in weights]))
+        share = nbytes / (us * 1e-6) / copy
+        print(f"{f'{n}x{hidden}':18} {label:>30} {us:7.2f} {share:8.1%}")
+    del weights
+
+
 def gluon_q6_head_settings() -> None:
     """The 27B and 35B-A3B q6 heads at 8 and 2 x rows: the q8 widening through the Triton
     tensor-core kernel, then the q6 weight as stored through the Gluon kernel at each setting."""

@@ -563,6 +563,35 @@ def groupwise_linear_conv(
     return mixed, out[:, channels:]
 
 
+def groupwise_linear_conv_and_gates(
+    x: torch.Tensor | NormedRows,
+    weight: EncodedTensor,
+    conv_weight: torch.Tensor,
+    conv_windows: torch.Tensor,
+    state_slots: torch.Tensor,
+    w_ba: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A GDN in projection (stacked q|k|v|z rows, encoded) at a decode step (one token a
+    sequence, state_slots[m] x row m's), the causal conv of its first conv_weight.shape[0]
+    outputs and the gates from x (maybe a folded norm's rows), in one kernel: (silu(conv(q|k|v)),
+    z, g, beta). Where the Gluon product takes it (two to eight rows on Hopper,
+    `groupwise_gemv_gluon.takes_conv`); else None, and the caller runs them apart."""
+    rows = x.weighted if isinstance(x, NormedRows) else x
+    if not use_triton(rows, conv_windows, w_ba, *weight.planes.values()):
+        return None
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
+
+    conv = gluon_gemv.GdnConv(conv_weight, conv_windows, state_slots)
+    gates = gluon_gemv.GdnGates(w_ba, A_log, dt_bias)
+    if not gluon_gemv.takes_conv(x, weight, conv, gates):
+        return None
+    out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+    channels = conv_weight.shape[0]
+    return out[:, :channels], out[:, channels:], g, beta
+
+
 def groupwise_dequant(weight: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] form of an encoded weight in `dtype`, bit-identical on both paths."""
     if use_triton(*weight.planes.values()):

@@ -42,6 +42,7 @@ timings: bench/decode_kernels.md, "The q4 product at eight rows in Gluon".
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -374,7 +375,63 @@ sub.rn.bf16x2 $3, p3, bias;
         gl.store(squares_ptr + pid_n * 8 + x_rows, gl.sum(h * h, axis=0))
 
     @gluon.jit
-    def _q4_tc_kernel(
+    def _conv_inputs(conv, n0, M, N, BN: gl.constexpr, MMA: gl.constexpr):
+        """What the conv's epilogue reads, loaded before the loop so that it arrives during it:
+        x row m's state slot, and for the program's [BN, 8] outputs each q|k|v channel's window
+        of that slot (its three entries) and its four taps (`_conv_out`). Pointers are made
+        again after the loop: held through it they cost the loop instructions."""
+        rows, x_rows, _, mask = _out_index(n0, M, N, BN, MMA)
+        slots = gl.load(conv[2] + x_rows, mask=x_rows < M, other=0)
+        window, conv_rows = _window(conv, slots, rows, mask)
+        taps = conv[0] + rows.to(gl.int64) * conv[4]
+        tap_rows = rows < conv[3]
+        return (
+            slots,
+            gl.load(window, mask=conv_rows, other=0.0),
+            gl.load(window + 1, mask=conv_rows, other=0.0),
+            gl.load(window + 2, mask=conv_rows, other=0.0),
+            gl.load(taps, mask=tap_rows, other=0.0),
+            gl.load(taps + 1, mask=tap_rows, other=0.0),
+            gl.load(taps + 2, mask=tap_rows, other=0.0),
+            gl.load(taps + 3, mask=tap_rows, other=0.0),
+        )
+
+    @gluon.jit
+    def _window(conv, slots, rows, mask):
+        """(pointers, mask) of the conv windows of a program's [BN, 8] outputs: channel
+        rows[i]'s window in x row m's state slot, for the q|k|v channels."""
+        taps_ptr, windows_ptr, slots_ptr, channels, stride_taps, stride_slot, stride_channel = conv
+        window = (
+            windows_ptr
+            + gl.expand_dims(slots.to(gl.int64), 0) * stride_slot
+            + gl.expand_dims(rows.to(gl.int64), 1) * stride_channel
+        )
+        return window, gl.expand_dims(rows < channels, 1) & mask
+
+    @gluon.jit
+    def _conv_out(acc, out_ptr, conv, conv_in, rows, at, mask):
+        """The epilogue of a GDN in projection with its causal conv (taps of width 4, one token
+        a sequence): q|k|v channels get silu(conv) of the product rounded to bf16, in
+        `causal_conv1d_triton`'s arithmetic (fp32, the taps in order, the window's three
+        entries then the new input), so bit for bit the product followed by that kernel; the
+        window shifts the rounded product in. The other channels (z) get the product."""
+        slots, w0, w1, w2, t0, t1, t2, t3 = conv_in
+        window, conv_rows = _window(conv, slots, rows, mask)
+        y = acc.to(gl.bfloat16)
+        new = y.to(gl.float32)
+        total = gl.zeros_like(acc)
+        total += w0.to(gl.float32) * gl.expand_dims(t0.to(gl.float32), 1)
+        total += w1.to(gl.float32) * gl.expand_dims(t1.to(gl.float32), 1)
+        total += w2.to(gl.float32) * gl.expand_dims(t2.to(gl.float32), 1)
+        total += new * gl.expand_dims(t3.to(gl.float32), 1)
+        silu = (total * (1 / (1 + gl.exp(-total)))).to(gl.bfloat16)
+        gl.store(out_ptr + at, gl.where(conv_rows, silu, y), mask=mask)
+        gl.store(window, w1, mask=conv_rows)
+        gl.store(window + 1, w2, mask=conv_rows)
+        gl.store(window + 2, y.to(window.dtype.element_ty), mask=conv_rows)
+
+    @gluon.jit
+    def _product(
         x_desc,
         w_desc,
         s_desc,
@@ -398,6 +455,7 @@ sub.rn.bf16x2 $3, p3, bias;
         heads,
         head_blocks,
         head_eps,
+        conv,
         BN: gl.constexpr,
         GROUPS: gl.constexpr,
         STAGES: gl.constexpr,
@@ -412,6 +470,7 @@ sub.rn.bf16x2 $3, p3, bias;
         HEAD_DIM: gl.constexpr,
         HEADS: gl.constexpr,
         HEAD_BLOCKS: gl.constexpr,
+        CONV: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -424,7 +483,10 @@ sub.rn.bf16x2 $3, p3, bias;
         added to the residual and its norm's parts written instead (`_fold_out`; the module
         `norm_fold` says what each side computes). With HEAD_DIM, x is the GDN output norm's
         folded rows: each group's product is also multiplied by its x rows' factors of the
-        head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks])."""
+        head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
+        CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
+        sequence m's one token, and the program writes their causal conv instead
+        (`_conv_out`)."""
         R: gl.constexpr = BN // 64  # 16-row blocks per warp
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
@@ -470,6 +532,7 @@ sub.rn.bf16x2 $3, p3, bias;
         gl.static_assert(GROUPS == 8)
         gl.static_assert(not (SWIGLU and SPLIT_K))
         gl.static_assert(not (SWIGLU and FOLD))
+        gl.static_assert(not (CONV and (SWIGLU or FOLD or SPLIT_K)))
 
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
@@ -560,6 +623,10 @@ sub.rn.bf16x2 $3, p3, bias;
         else:
             residual = 0.0
             norm_weight = 0.0
+        if CONV:
+            conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
+        else:
+            conv_in = 0.0
 
         acc = gl.zeros([BN, 8], gl.float32, MMA)
         for j in range(count):
@@ -638,8 +705,233 @@ sub.rn.bf16x2 $3, p3, bias;
                     gl.atomic_xchg(counter, 0)
             elif FOLD:
                 _fold_out(acc, out_ptr, fold, at, mask, x_rows, pid_n)
+            elif CONV:
+                _conv_out(acc, out_ptr, conv, conv_in, rows, at, mask)
             else:  # the result, or (split-K without counters) this split's partial
                 gl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _log_decay(a, A_log, dt_bias):
+        """g = -exp(A_log) * softplus(a + dt_bias), fp32, in `gdn_gates_triton._log_decay`'s
+        arithmetic."""
+        x = a + dt_bias
+        e = gl.exp(gl.minimum(x, 20.0))
+        u = 1.0 + e
+        rounded = u == 1.0  # e below half an ulp of 1: log1p(e) is e
+        log1p = gl.where(rounded, e, gl.log(u) * (e / gl.where(rounded, 1.0, u - 1.0)))
+        softplus = gl.where(x > 20.0, x, log1p)
+        return -gl.exp(A_log) * softplus
+
+    @gluon.jit
+    def _gates_program(
+        row,
+        gates,
+        M,
+        K,
+        squares_ptr,
+        square_blocks,
+        inv_width,
+        eps,
+        PDL: gl.constexpr,
+        ROW_SCALE: gl.constexpr,
+        SQUARE_BLOCKS: gl.constexpr,
+        CHUNKS: gl.constexpr,
+    ):
+        """One b|a row of a GDN layer's gates from its input x, for every token (x row):
+        `gdn_gates_triton.gdn_gates_from_x`'s dot products (fp32, in another order, rounded to
+        x's dtype; with ROW_SCALE each token's folded-norm factor first), then beta =
+        sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. These
+        programs run beside the product's and must end before them, so each takes one row
+        and asks for all of it at once: the weight row (CHUNKS of 1024 columns, 16-byte loads)
+        before the PDL wait (no kernel writes it), then x token by token (the loads of
+        several tokens in flight together), not a round trip per chunk of columns: a loop
+        over chunks added 3.4 us to the 27B in projection's 16 us and nothing to the step
+        (docs/performance.md, Measurement 28)."""
+        x_ptr, stride_x, ba_ptr, stride_ba, heads, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr = gates
+        # [chunk, lane, column]: lane i of the program holds columns 8i .. 8i + 7 of every
+        # chunk of 1024 and adds its products up in-thread
+        L3: gl.constexpr = gl.BlockedLayout([CHUNKS, 1, 8], [1, 32, 1], [1, 4, 1], [2, 1, 0])
+        chunk = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        block = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        inner = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        cols = (
+            gl.expand_dims(gl.expand_dims(chunk, 1), 2) * 1024
+            + gl.expand_dims(gl.expand_dims(block, 0), 2) * 8
+            + gl.expand_dims(gl.expand_dims(inner, 0), 1)
+        )  # [CHUNKS, 128, 8]
+        in_k = cols < K
+        w = gl.load(ba_ptr + row.to(gl.int64) * stride_ba + cols, mask=in_k, other=0.0)
+        w = w.to(gl.float32)
+        _await_inputs(PDL)
+        if ROW_SCALE:
+            squares = _load_squares(squares_ptr, square_blocks, SQUARE_BLOCKS)
+        # each lane's sum of each token, [token, lane], then one sum over the lanes
+        SUMS: gl.constexpr = gl.BlockedLayout([8, 1], [1, 32], [1, 4], [1, 0])
+        TOKENS: gl.constexpr = gl.SliceLayout(1, SUMS)
+        tokens = gl.arange(0, 8, layout=TOKENS)
+        sums = gl.zeros([8, 128], gl.float32, SUMS)
+        for t in gl.static_range(8):
+            x = gl.load(x_ptr + t * stride_x + cols, mask=in_k & (t < M), other=0.0)
+            part = gl.sum(gl.sum(w * x.to(gl.float32), axis=2), axis=0)  # [128]
+            part = gl.expand_dims(gl.convert_layout(part, gl.SliceLayout(0, SUMS)), 0)
+            sums = gl.where(gl.expand_dims(tokens, 1) == t, part, sums)
+        dots = gl.sum(sums, axis=1)  # one per token
+        if ROW_SCALE:
+            scale = gl.rsqrt(gl.sum(squares, axis=0) * inv_width + eps)
+            dots = dots * gl.convert_layout(scale, TOKENS)
+        dots = dots.to(x_ptr.dtype.element_ty).to(gl.float32)
+        if row < heads:
+            at = tokens * heads + row
+            beta = 1 / (1 + gl.exp(-dots))
+            gl.store(beta_ptr + at, beta.to(beta_ptr.dtype.element_ty), mask=tokens < M)
+        else:
+            head = row - heads
+            A_log = gl.load(A_log_ptr + head).to(gl.float32)
+            dt_bias = gl.load(dt_bias_ptr + head).to(gl.float32)
+            gl.store(
+                g_ptr + tokens * heads + head, _log_decay(dots, A_log, dt_bias), mask=tokens < M
+            )
+
+    @gluon.jit
+    def _q4_tc_kernel(
+        x_desc,
+        w_desc,
+        s_desc,
+        h_desc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        M,
+        N,
+        tiles_per_split,
+        num_tiles,
+        residual_ptr,
+        norm_weight_ptr,
+        sum_ptr,
+        squares_out_ptr,
+        squares_in_ptr,
+        square_blocks,
+        inv_width,
+        eps,
+        head_squares_ptr,
+        heads,
+        head_blocks,
+        head_eps,
+        conv_taps_ptr,
+        windows_ptr,
+        slots_ptr,
+        conv_channels,
+        stride_taps,
+        stride_slot,
+        stride_channel,
+        x_ptr,
+        stride_x,
+        ba_ptr,
+        stride_ba,
+        gate_heads,
+        A_log_ptr,
+        dt_bias_ptr,
+        g_ptr,
+        beta_ptr,
+        BN: gl.constexpr,
+        GROUPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+        WEIGHTS_FIRST: gl.constexpr,
+        PDL: gl.constexpr,
+        SWIGLU: gl.constexpr,
+        Q6: gl.constexpr,
+        FOLD: gl.constexpr,
+        ROW_SCALE: gl.constexpr,
+        SQUARE_BLOCKS: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        HEADS: gl.constexpr,
+        HEAD_BLOCKS: gl.constexpr,
+        CONV: gl.constexpr,
+        GATES: gl.constexpr,
+        GATE_CHUNKS: gl.constexpr,
+    ):
+        """`_product`'s programs (the grid's first N / BN rows of programs); with GATES, after
+        them a GDN layer's gates programs (`_gates_program`), which read x through plain
+        pointers (x_ptr) while the product's programs stream the weight."""
+        conv = (
+            conv_taps_ptr,
+            windows_ptr,
+            slots_ptr,
+            conv_channels,
+            stride_taps,
+            stride_slot,
+            stride_channel,
+        )
+        product = gl.cdiv(N, BN // 2 if SWIGLU else BN)
+        if GATES and gl.program_id(0) >= product:
+            gates = (
+                x_ptr,
+                stride_x,
+                ba_ptr,
+                stride_ba,
+                gate_heads,
+                A_log_ptr,
+                dt_bias_ptr,
+                g_ptr,
+                beta_ptr,
+            )
+            _gates_program(
+                gl.program_id(0) - product,
+                gates,
+                M,
+                num_tiles * (GROUPS * _GROUP),
+                squares_in_ptr,
+                square_blocks,
+                inv_width,
+                eps,
+                PDL,
+                ROW_SCALE,
+                SQUARE_BLOCKS,
+                GATE_CHUNKS,
+            )
+        else:
+            _product(
+                x_desc,
+                w_desc,
+                s_desc,
+                h_desc,
+                out_ptr,
+                partial_ptr,
+                counters_ptr,
+                M,
+                N,
+                tiles_per_split,
+                num_tiles,
+                residual_ptr,
+                norm_weight_ptr,
+                sum_ptr,
+                squares_out_ptr,
+                squares_in_ptr,
+                square_blocks,
+                inv_width,
+                eps,
+                head_squares_ptr,
+                heads,
+                head_blocks,
+                head_eps,
+                conv,
+                BN,
+                GROUPS,
+                STAGES,
+                SPLIT_K,
+                WEIGHTS_FIRST,
+                PDL,
+                SWIGLU,
+                Q6,
+                FOLD,
+                ROW_SCALE,
+                SQUARE_BLOCKS,
+                HEAD_DIM,
+                HEADS,
+                HEAD_BLOCKS,
+                CONV,
+            )
 
 
 @functools.cache
@@ -841,6 +1133,86 @@ def q4_swiglu_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> tor
     return _launch(x, weight, swiglu=True)
 
 
+@dataclass(frozen=True, slots=True)
+class GdnConv:
+    """A GDN layer's causal conv run in its in projection's epilogue (`q4_linear_conv`): the
+    taps [C, 4] of the first C outputs (q|k|v), the conv windows [slots, C, 3] and each x
+    row's state slot [M] (one token a sequence)."""
+
+    taps: torch.Tensor
+    windows: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class GdnGates:
+    """A GDN layer's gates computed from its input by programs of the in projection's grid
+    (`q4_linear_conv`): the dense b|a weight [2H, K] (b's rows over a's), A_log and dt_bias
+    [H]."""
+
+    ba: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def takes_conv(
+    x: torch.Tensor | NormedRows, weight: EncodedTensor, conv: GdnConv, gates: GdnGates | None
+) -> bool:
+    """Whether `q4_linear_conv` takes this GDN in projection: a q4_g64 weight `fits_normed`
+    takes unsplit, x not the GDN output norm's rows, one state slot per x row, taps of
+    width 4, windows of 3 bf16 entries with unit strides along them; gates (if any) from a
+    bf16 b|a weight of x's width with unit stride along it."""
+    if isinstance(x, HeadNormedRows) or weight.format != "q4_g64_fp16":
+        return False
+    if not fits_normed(x, weight):
+        return False
+    rows = x.weighted if isinstance(x, NormedRows) else x
+    n, k = weight.shape
+    taps, windows, slots = conv.taps, conv.windows, conv.slots
+    channels = taps.shape[0]
+    ok = (
+        _splits(n, k, rows.device)[0] == 1
+        and taps.dim() == 2
+        and taps.shape[1] == 4
+        and taps.stride(1) == 1
+        and 0 < channels <= n
+        and windows.dim() == 3
+        and windows.shape[1:] == (channels, 3)
+        and windows.stride(2) == 1
+        and windows.dtype == torch.bfloat16
+        and slots.dim() == 1
+        and slots.shape[0] == rows.shape[0]
+        and all(t.device == rows.device for t in (taps, windows, slots))
+    )
+    if not ok or gates is None:
+        return ok
+    ba = gates.ba
+    return (
+        ba.dim() == 2
+        and ba.shape[1] == k
+        and ba.shape[0] % 2 == 0
+        and ba.stride(1) == 1
+        and ba.dtype == rows.dtype
+        and ba.device == rows.device
+        and gates.A_log.shape == gates.dt_bias.shape == (ba.shape[0] // 2,)
+    )
+
+
+def q4_linear_conv(
+    x: torch.Tensor | NormedRows,
+    weight: EncodedTensor,
+    conv: GdnConv,
+    gates: GdnGates | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """A GDN in projection at a decode step of 2..8 sequences, as `takes_conv` checked:
+    (out [M, N] bf16 with silu(conv) in its first C columns and the product in the rest,
+    (g fp32, beta) [M, H] or None). The conv as `causal_conv1d_triton.causal_conv1d` after
+    `q4_linear` gives it, bit for bit, the windows updated; the gates as
+    `gdn_gates_triton.gdn_gates_from_x` gives them up to the order of its fp32 sums. The
+    conv's launch (and the gates') go: one kernel between the norm and the recurrent one."""
+    return _launch(x, weight, swiglu=False, conv=conv, gates=gates)
+
+
 def _splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
     """(splits of K, tiles per split) for the [N, K] product: enough programs for the listed
     programs per SM, each split a whole number of tiles."""
@@ -857,7 +1229,9 @@ def _launch(
     weight: EncodedTensor,
     swiglu: bool,
     after: NormAfter | None = None,
-) -> torch.Tensor | tuple[NormedRows, torch.Tensor]:
+    conv: GdnConv | None = None,
+    gates: GdnGates | None = None,
+):
     from ninfer.kernels.groupwise_gemv_triton import tile_counters
 
     normed = x if isinstance(x, NormedRows) else None
@@ -894,8 +1268,31 @@ def _launch(
         head_squares, head_dim = head_normed.squares, head_normed.head_dim
         heads, head_blocks = head_squares.shape[1], head_squares.shape[2]
         head_eps = head_normed.eps
+    # a GDN in projection's conv and gates (`q4_linear_conv`); unused pointers are `out`
+    conv_args = (out, out, out, 0, 0, 0, 0)
+    if conv is not None:
+        if splits > 1:
+            raise RuntimeError("the conv runs only in an unsplit product (`takes_conv`)")
+        conv_args = (
+            conv.taps,
+            conv.windows,
+            conv.slots,
+            conv.taps.shape[0],
+            conv.taps.stride(0),
+            conv.windows.stride(0),
+            conv.windows.stride(1),
+        )
+    gate_args = (x, x.stride(0), out, 0, 0, out, out, out, out)
+    gate_programs, gate_outputs = 0, None
+    if gates is not None:
+        heads = gates.ba.shape[0] // 2
+        g = torch.empty(m, heads, dtype=torch.float32, device=x.device)
+        beta = torch.empty(m, heads, dtype=x.dtype, device=x.device)
+        gate_args = (x, x.stride(0), gates.ba, gates.ba.stride(0), heads)
+        gate_args += (gates.A_log, gates.dt_bias, g, beta)
+        gate_programs, gate_outputs = 2 * heads, (g, beta)  # one b|a row each
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
-    _q4_tc_kernel[(blocks, splits)](
+    _q4_tc_kernel[(blocks + gate_programs, splits)](
         x_desc,
         w_desc,
         s_desc,
@@ -919,6 +1316,8 @@ def _launch(
         heads,
         head_blocks,
         head_eps,
+        *conv_args,
+        *gate_args,
         BN=block_n,
         GROUPS=GROUPS,
         STAGES=stages,
@@ -932,6 +1331,9 @@ def _launch(
         HEAD_DIM=head_dim,
         HEADS=max(32, triton.next_power_of_2(heads)),
         HEAD_BLOCKS=triton.next_power_of_2(head_blocks),
+        CONV=conv is not None,
+        GATES=gates is not None,
+        GATE_CHUNKS=triton.next_power_of_2(triton.cdiv(k, 1024)),
         num_warps=4,
         **pdl_options(x.device),
     )
@@ -939,4 +1341,6 @@ def _launch(
         return partial.sum(dim=0).to(x.dtype)
     if after is not None:
         return NormedRows(out, squares, after.eps), total
+    if conv is not None:
+        return out, gate_outputs
     return out

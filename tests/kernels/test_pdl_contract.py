@@ -149,43 +149,60 @@ def test_options_off_on_the_cpu_and_when_disabled(monkeypatch):
     assert pdl_options(torch.device("cuda", 0)) == {"PDL": False}
 
 
-def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
-    """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way: before its
-    top-level `_await_inputs(PDL)` it only asks TMA for codes and scales (an `_issue_tile`
-    whose x flag, its parameter `X`, is False), which no kernel writes; x's tiles, the loop
-    and every store come after the wait. Its launch passes `pdl_options`."""
-    source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
-    tree = ast.parse(source)
-    (kernel,) = [fn for fn in _jit_kernels(tree) if fn.name == "_q4_tc_kernel"]
-    (issue,) = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef) and node.name == "_issue_tile"
-    ]
-    x_flag = [a.arg for a in issue.args.args].index("X")
-    assert "PDL" in [a.arg for a in kernel.args.args]
-    waits = [
-        i
-        for i, statement in enumerate(kernel.body)
-        if ast.unparse(statement) == "_await_inputs(PDL)"
-    ]
-    assert len(waits) == 1, "one top-level wait"
-    before = kernel.body[: waits[0]]
-    issues = [
-        node
-        for statement in before
-        for node in ast.walk(statement)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_issue_tile"
-    ]
-    assert issues, "the weights are asked for before the wait"
-    for call in issues:
-        assert ast.unparse(call.args[x_flag]) == "False", ast.unparse(call)
-    called = [
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+
+def _calls(statements) -> list[str]:
+    return [
         ast.unparse(node.func)
-        for statement in before
+        for statement in statements
         for node in ast.walk(statement)
         if isinstance(node, ast.Call)
     ]
-    assert not [name for name in called if name.startswith("gl.atomic") or name == "gl.store"]
-    assert "range(count)" not in "".join(map(ast.unparse, before)), "the loop after the wait"
+
+
+def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
+    """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way. It touches no
+    memory itself and hands each program to `_product` or `_gates_program`. Before its
+    top-level `_await_inputs(PDL)` the product only asks TMA for codes and scales (an
+    `_issue_tile` whose x flag, its parameter `X`, is False), which no kernel writes; x's
+    tiles, the loop and every store come after the wait. The gates programs load only their
+    b|a weight row (`ba_ptr`, which no kernel writes) before theirs. Its launch passes
+    `pdl_options`."""
+    source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
+    tree = ast.parse(source)
+    functions = _functions(tree)
+    (kernel,) = [fn for fn in _jit_kernels(tree) if fn.name == "_q4_tc_kernel"]
+    assert "PDL" in [a.arg for a in kernel.args.args]
+    called = _calls(kernel.body)
+    assert not [name for name in called if name.startswith(("gl.load", "gl.store", "gl.atomic"))]
+    assert {"_product", "_gates_program"} <= set(called)
+    x_flag = [a.arg for a in functions["_issue_tile"].args.args].index("X")
+    for name in ("_product", "_gates_program"):
+        body = functions[name].body
+        waits = [i for i, s in enumerate(body) if ast.unparse(s) == "_await_inputs(PDL)"]
+        assert len(waits) == 1, f"one top-level wait in {name}"
+        before = body[: waits[0]]
+        called = _calls(before)
+        assert not [c for c in called if c.startswith(("gl.atomic", "gl.store"))], name
+        loads = [
+            ast.unparse(node.args[0])
+            for statement in before
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "gl.load"
+        ]
+        allowed = "ba_ptr" if name == "_gates_program" else None
+        assert all(allowed and load.startswith(allowed) for load in loads), (name, loads)
+        assert "range(count)" not in "".join(map(ast.unparse, before)), "the loop after the wait"
+        issues = [
+            node
+            for statement in before
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_issue_tile"
+        ]
+        if name == "_product":
+            assert issues, "the weights are asked for before the wait"
+        for call in issues:
+            assert ast.unparse(call.args[x_flag]) == "False", ast.unparse(call)
     assert "**pdl_options(x.device)" in source

@@ -139,13 +139,15 @@ def test_decode_step_without_the_fused_gates_took_the_product_the_gates_and_the_
 def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch):
     """Stacked q|k|v|z weights kept encoded: a one-token decode step launches one kernel for
     the in projection and the conv (`groupwise_linear_conv`), no conv kernel of its own; a
-    step of two tokens keeps the product and the conv apart, the gates in the conv's kernel."""
+    step of two tokens keeps the product and the conv apart, the gates in the conv's kernel,
+    unless the in projection's kernel takes the conv and the gates too
+    (`groupwise_linear_conv_and_gates`, two to eight rows on Hopper)."""
     from ninfer.models.layers.linear import GroupwiseLinear
     from ninfer.quant import get_format
 
     q8 = get_format("q8_g32_fp16")
 
-    def encoded(tokens):
+    def encoded(tokens, one_kernel=False):
         layer = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, CONV, 1e-6, 0)
         for param in layer.parameters():
             nn.init.normal_(param)
@@ -168,6 +170,23 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
 
         def gemv(x, weight):
             return x.new_empty(x.shape[0], weight.shape[0])
+
+        def linear_conv_gates(x, weight, taps, windows, slots, w_ba, *args):
+            assert weight.shape == (layer.conv_dim + layer.value_dim, HIDDEN)
+            assert w_ba.shape == (2 * VALUE_HEADS, HIDDEN)
+            mixed = x.new_empty(x.shape[0], layer.conv_dim)
+            return mixed, x.new_empty(x.shape[0], layer.value_dim), *gates(x)
+
+        if one_kernel:
+            monkeypatch.setattr(
+                gated_deltanet,
+                "groupwise_linear_conv_and_gates",
+                count.kernel("linear_conv_gates", linear_conv_gates),
+            )
+        else:  # what it answers off Hopper (and here, on the meta device)
+            monkeypatch.setattr(
+                gated_deltanet, "groupwise_linear_conv_and_gates", lambda *args: None
+            )
 
         monkeypatch.setattr(
             gated_deltanet, "groupwise_linear_conv", count.kernel("linear_conv", linear_conv)
@@ -200,3 +219,5 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
 
     assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
     assert encoded(2) == {"conv_gates": 1, "gemv": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(2, one_kernel=True) == {"linear_conv_gates": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(1, one_kernel=True) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}

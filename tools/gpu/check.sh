@@ -36,7 +36,7 @@ group() {
   grep -E '^(FAILED|ERROR)' "$out/pytest-$name.log" | head -n 10
 }
 if [ "${TESTS:-1}" != 0 ]; then
-  group kernels "${KERNELS_LIMIT:-450}" tests/gpu/test_int_gemv_gpu.py tests/gpu/test_gluon_gemv_gpu.py tests/gpu/test_triton_kernels.py tests/gpu/test_attention_prelude_gpu.py tests/gpu/test_fused_projections_gpu.py tests/gpu/test_x_split_gpu.py
+  group kernels "${KERNELS_LIMIT:-450}" tests/gpu/test_int_gemv_gpu.py tests/gpu/test_gluon_gemv_gpu.py tests/gpu/test_triton_kernels.py tests/gpu/test_attention_prelude_gpu.py tests/gpu/test_fused_projections_gpu.py tests/gpu/test_x_split_gpu.py tests/gpu/test_gdn_in_projection_gpu.py
   group moe "${MOE_LIMIT:-150}" tests/gpu/test_moe_gpu.py tests/gpu/test_moe_router_gpu.py
   group engine "${ENGINE_LIMIT:-240}" tests/gpu/test_graphs_gpu.py tests/gpu/test_engine_gpu.py
   group folds "${FOLDS_LIMIT:-240}" tests/gpu/test_norm_fold_gpu.py

@@ -233,6 +233,28 @@ def cases():
         groupwise_gemv_gluon.q4_linear(rows, weight, after)
         groupwise_gemv_gluon.q4_linear(rows, weight)
 
+    def gluon_in_projection_with_conv_and_gates(folded: bool) -> None:
+        # the 27B GDN in projection at eight sequences: the conv in its epilogue, the gates in
+        # programs of its grid, x plain or a folded norm's rows
+        from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
+        from ninfer.kernels.norm_fold import NormedRows
+
+        t = 8
+        weight = get_format(q4).encode(torch.randn(16384, 5120) * 0.02)
+        conv = gluon_gemv.GdnConv(
+            torch.randn(10240, 4, dtype=BF16),
+            torch.randn(t, 10240, 3, dtype=BF16),
+            torch.arange(t, dtype=torch.int32),
+        )
+        gates = gluon_gemv.GdnGates(
+            torch.randn(96, 5120, dtype=BF16), torch.randn(48), torch.randn(48)
+        )
+        x = torch.randn(t, 5120, dtype=BF16)
+        if folded:
+            x = NormedRows(x, torch.rand(80, 8), 1e-6)
+        gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+        gluon_gemv.q4_linear_conv(x, weight, conv)
+
     def x_split_producers():
         x = torch.randn(1, 5120, dtype=BF16)
         rms_norm_triton.rms_norm(x, torch.randn(5120, dtype=BF16), 1e-6, x.clone(), split)
@@ -360,6 +382,10 @@ def cases():
         ("tensor-core gemv q4 in gluon, norm folded, split-K",
             lambda: gluon_q4_folded(8, 5120, 17408)),
         ("gdn output norm folded", gdn_output_norm_folded),
+        ("gdn in projection in gluon with the conv and gates",
+            lambda: gluon_in_projection_with_conv_and_gates(False)),
+        ("gdn in projection in gluon with the conv and gates, norm folded",
+            lambda: gluon_in_projection_with_conv_and_gates(True)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),

@@ -18,6 +18,7 @@ from ninfer.kernels.dispatch import (
     gdn_gates,
     gdn_gates_from_x,
     groupwise_linear_conv,
+    groupwise_linear_conv_and_gates,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_from_x,
     recurrent_gated_delta_rule_normed,
@@ -41,6 +42,10 @@ GATES_FROM_X_MAX_TOKENS = 16
 # with the gates given, and the 27B C=8 step was 0.09 ms faster with the gates kernel apart
 # (C=4 0.02 ms; docs/performance.md, Measurement 14).
 GATES_IN_RULE_MAX_TOKENS = 1
+# At a decode step of two to eight sequences on Hopper the in projection's kernel runs the conv
+# in its epilogue and the gates in programs of its own grid (`groupwise_linear_conv_and_gates`),
+# where the conv's kernel ran them after it; False keeps that kernel (for timing the two).
+CONV_GATES_IN_PROJECTION = True
 
 
 class GatedDeltaNet(nn.Module):
@@ -114,9 +119,11 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, ctx: ForwardContext, ba_weight: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(silu(conv(q|k|v)), z, gates): gates the (g, beta) of `gdn_gates_from_x` with
-        ba_weight where it is given, computed in the conv's kernel, else None. A one-token
-        decode step with the projections stacked and encoded, off the CPU, runs the conv
-        inside the product's kernel (one launch fewer)."""
+        ba_weight where it is given, computed in the conv's kernel, else None. A decode step
+        with the projections stacked and encoded, off the CPU, runs the conv inside the
+        product's kernel (one launch fewer): at one token the integer GEMV's, at two to eight
+        the Gluon product's, which computes the gates too (`groupwise_linear_conv_and_gates`:
+        one launch between the norm and the recurrent kernel)."""
         taps, windows = self.conv1d.weight[:, 0], ctx.cache.conv_window[self.cache_index]
         fused = self.in_proj_qkvz
         if (
@@ -133,6 +140,27 @@ class GatedDeltaNet(nn.Module):
             if ba_weight is not None:
                 gates = gdn_gates_from_x(x, ba_weight, self.A_log, self.dt_bias)
             return mixed, z, gates
+        if (
+            CONV_GATES_IN_PROJECTION
+            and fused is not None
+            and ba_weight is not None
+            and ctx.is_decode
+            and isinstance(fused.linear, GroupwiseLinear)
+            and fused.linear.one_row is None
+        ):
+            done = groupwise_linear_conv_and_gates(
+                x,
+                fused.linear.encoded,
+                taps,
+                windows,
+                ctx.state_slots,
+                ba_weight,
+                self.A_log,
+                self.dt_bias,
+            )
+            if done is not None:
+                mixed, z, g, beta = done
+                return mixed, z, (g, beta)
         if fused is None:
             mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         else:
