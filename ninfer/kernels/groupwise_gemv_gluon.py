@@ -34,9 +34,15 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
   program's rows are BN/2 of gate's over the same BN/2 of up's (one TMA box over the two
   halves seen as one more dim), and it writes silu(gate) * up, so the SwiGLU's launch and the
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
+- `q4_linear_conv` runs a GDN layer's in projection at a decode step: the causal conv of its
+  q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x in programs
+  after the product's in the grid (`_gates_program`, one b|a row each), so the conv and
+  gates kernel that ran between the product and the recurrent kernel goes.
 
-References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`. Loop cost and
-timings: bench/decode_kernels.md, "The q4 product at eight rows in Gluon".
+References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`,
+`causal_conv1d.causal_conv1d`, `gdn_gates.gdn_gates_from_x`. Loop cost and timings:
+bench/decode_kernels.md, "The q4 product at eight rows in Gluon" and "The GDN conv and gates
+in the Gluon in projection".
 """
 
 from __future__ import annotations
