@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ninfer.kernels.gdn_gates_triton import _log_decay  # a Triton function Gluon calls as is
 from ninfer.kernels.norm_fold import SQUARE_COLUMNS, HeadNormedRows, NormAfter, NormedRows
 from ninfer.kernels.pdl_triton import pdl_options
 from ninfer.kernels.triton_support import device_name, num_sms
@@ -437,298 +438,6 @@ sub.rn.bf16x2 $3, p3, bias;
         gl.store(window + 2, y.to(window.dtype.element_ty), mask=conv_rows)
 
     @gluon.jit
-    def _product(
-        x_desc,
-        w_desc,
-        s_desc,
-        h_desc,
-        out_ptr,
-        partial_ptr,
-        counters_ptr,
-        M,
-        N,
-        tiles_per_split,
-        num_tiles,
-        residual_ptr,
-        norm_weight_ptr,
-        sum_ptr,
-        squares_out_ptr,
-        squares_in_ptr,
-        square_blocks,
-        inv_width,
-        eps,
-        head_squares_ptr,
-        heads,
-        head_blocks,
-        head_eps,
-        conv,
-        BN: gl.constexpr,
-        GROUPS: gl.constexpr,
-        STAGES: gl.constexpr,
-        SPLIT_K: gl.constexpr,
-        WEIGHTS_FIRST: gl.constexpr,
-        PDL: gl.constexpr,
-        SWIGLU: gl.constexpr,
-        Q6: gl.constexpr,
-        FOLD: gl.constexpr,
-        ROW_SCALE: gl.constexpr,
-        SQUARE_BLOCKS: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-        HEADS: gl.constexpr,
-        HEAD_BLOCKS: gl.constexpr,
-        CONV: gl.constexpr,
-    ):
-        """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
-        program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
-        n's counter (then reset by it) adds the partials up and writes out. With SWIGLU, W is
-        [gate; up] (2N rows): a program's BN rows are gate's rows n0 .. n0 + BN/2 over up's
-        same rows, and out[M, N] = silu(gate product) * up product. With Q6, W is q6_g64:
-        the same codes plane and scales as q4_g64, and h_desc its high bits. With ROW_SCALE,
-        x is a folded norm's weighted rows and each x row's factor, from the square_blocks
-        sums at squares_in_ptr, multiplies the accumulator first; with FOLD the result is
-        added to the residual and its norm's parts written instead (`_fold_out`; the module
-        `norm_fold` says what each side computes). With HEAD_DIM, x is the GDN output norm's
-        folded rows: each group's product is also multiplied by its x rows' factors of the
-        head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
-        CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
-        sequence m's one token, and the program writes their causal conv instead
-        (`_conv_out`)."""
-        R: gl.constexpr = BN // 64  # 16-row blocks per warp
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
-        )
-        A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        ROWS_REG: gl.constexpr = [[8, 0]] + ([[64, 0]] if R == 2 else [])
-        ROWS_LANE: gl.constexpr = [[1, 0], [2, 0], [4, 0]]
-        ROWS_WARP: gl.constexpr = [[16, 0], [32, 0]]
-        # a group's words: row g (+ 8, + 64) of a quad's lane 4g + t holds words 2t, 2t + 1
-        W_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1]] + ROWS_REG,
-            lane_bases=[[0, 2], [0, 4]] + ROWS_LANE,
-            warp_bases=ROWS_WARP,
-            block_bases=[],
-            shape=[BN, 8],
-        )
-        # a tile's scales: every group of the thread's rows
-        S_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4]] + ROWS_REG,
-            lane_bases=[[0, 0], [0, 0]] + ROWS_LANE,
-            warp_bases=ROWS_WARP,
-            block_bases=[],
-            shape=[BN, 8],
-        )
-        # x's group: lane 4g + t holds x row g's columns 16t .. 16t + 15, in every warp
-        X_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[0, 0], [0, 0]],
-            block_bases=[],
-            shape=[8, _GROUP],
-        )
-        X_SHARED: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2
-        )
-        W_SHARED: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=0, element_bitwidth=32, rank=2
-        )
-        S_SHARED: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=0, element_bitwidth=16, rank=2
-        )
-        gl.static_assert(GROUPS == 8)
-        gl.static_assert(not (SWIGLU and SPLIT_K))
-        gl.static_assert(not (SWIGLU and FOLD))
-        gl.static_assert(not (CONV and (SWIGLU or FOLD or SPLIT_K)))
-
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
-        n0 = pid_n * (BN // 2 if SWIGLU else BN)
-        first = split * tiles_per_split
-        count = gl.minimum(num_tiles - first, tiles_per_split)
-
-        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout)
-        if SWIGLU:  # a slot holds gate's rows of each group, then up's: [GROUPS, BN, 8] in memory
-            w_ring = gl.allocate_shared_memory(
-                gl.int32, [STAGES, GROUPS, 2, BN // 2, 8], w_desc.layout
-            )
-            s_ring = gl.allocate_shared_memory(
-                gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
-            )
-        else:
-            w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
-            s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
-        if Q6:  # a group's four words of high bits per row
-            h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
-            # thread t of a row quad: high word t of its rows
-            H_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=ROWS_REG,
-                lane_bases=[[0, 1], [0, 2]] + ROWS_LANE,
-                warp_bases=ROWS_WARP,
-                block_bases=[],
-                shape=[BN, 4],
-            )
-        else:
-            h_ring = w_ring
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-        descs = (x_desc, w_desc, s_desc, h_desc)
-        rings = (x_ring, w_ring, s_ring, h_ring)
-        nbytes: gl.constexpr = (
-            x_desc.block_type.nbytes
-            + w_desc.block_type.nbytes
-            + s_desc.block_type.nbytes
-            + (h_desc.block_type.nbytes if Q6 else 0)
-        )
-        for i in gl.static_range(STAGES - 1):
-            mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-            if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
-                _issue_tile(
-                    descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
-                )
-        _await_inputs(PDL)
-        for i in gl.static_range(STAGES - 1):
-            _issue_tile(
-                descs,
-                rings,
-                ready,
-                i,
-                first + i,
-                n0,
-                i < count,
-                not WEIGHTS_FIRST,
-                True,
-                SWIGLU,
-                Q6,
-            )
-        # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
-        # the epilogue, on the step's critical path, waits for no load of its own
-        if ROW_SCALE:
-            squares = _load_squares(squares_in_ptr, square_blocks, SQUARE_BLOCKS)
-        else:
-            squares = 0.0
-        if HEAD_DIM > 0:  # every head's factors, in shared memory for the loop to index
-            # written through a [HEADS, 8] view; a rank-1 layout, so that `index` gives one
-            # head's [8]
-            head_scales = gl.allocate_shared_memory(
-                gl.float32, [HEADS, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            )
-            table: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-            _view(head_scales, gl.float32, [HEADS, 8], table).store(
-                _head_scales(
-                    head_squares_ptr, M, heads, head_blocks, head_eps, HEAD_DIM, HEADS, HEAD_BLOCKS
-                )
-            )
-            _barrier()
-        else:
-            head_scales = 0.0
-        if FOLD:
-            rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
-            residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
-            norm_weight = gl.load(norm_weight_ptr + rows, mask=rows < N, other=0.0)
-        else:
-            residual = 0.0
-            norm_weight = 0.0
-        if CONV:
-            conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
-        else:
-            conv_in = 0.0
-
-        acc = gl.zeros([BN, 8], gl.float32, MMA)
-        for j in range(count):
-            # refill the slot every warp finished reading a turn ago
-            ahead = j + STAGES - 1
-            slot_ahead = ahead % STAGES
-            _barrier()
-            fence_async_shared()
-            mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
-            _issue_tile(
-                descs,
-                rings,
-                ready,
-                slot_ahead,
-                first + ahead,
-                n0,
-                ahead < count,
-                True,
-                True,
-                SWIGLU,
-                Q6,
-            )
-
-            slot = j % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
-            ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
-            scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
-            scales = scales.load(S_LAYOUT).to(gl.float32)
-            if Q6:
-                hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
-            for g in gl.static_range(GROUPS):
-                words = ws.slice(g * BN, BN).load(W_LAYOUT)
-                if Q6:
-                    high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
-                else:
-                    high = words
-                a = _weight_operand(words, high, BN, A_LAYOUT, Q6)
-                b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
-                product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
-                scale = gl.convert_layout(
-                    _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
-                )
-                if HEAD_DIM > 0:
-                    head = ((first + j) * GROUPS + g) * _GROUP // HEAD_DIM
-                    factors = head_scales.index(head).load(gl.SliceLayout(0, MMA))
-                    product = product * gl.expand_dims(factors, 0)
-                acc = acc + product * gl.expand_dims(scale, 1)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-
-        if ROW_SCALE:
-            scale = _row_scale(squares, inv_width, eps, MMA)
-            acc = acc * gl.expand_dims(scale, 0)
-        if SWIGLU:
-            _swiglu_out(acc, out_ptr, M, N, n0, BN)
-        else:
-            rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
-            fold = (residual, norm_weight, sum_ptr, squares_out_ptr)
-            if SPLIT_K:
-                splits = gl.num_programs(1)
-                gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
-                _barrier()  # every thread's partial is written before the arrival counts
-                counter = counters_ptr + pid_n
-                if gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-                    total = gl.zeros([BN, 8], gl.float32, MMA)
-                    for s in range(0, splits):
-                        # .cg reads from L2, where the other programs' partials are
-                        total += gl.load(
-                            partial_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg"
-                        )
-                    if FOLD:
-                        _fold_out(total, out_ptr, fold, at, mask, x_rows, pid_n)
-                    else:
-                        gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
-                    gl.atomic_xchg(counter, 0)
-            elif FOLD:
-                _fold_out(acc, out_ptr, fold, at, mask, x_rows, pid_n)
-            elif CONV:
-                _conv_out(acc, out_ptr, conv, conv_in, rows, at, mask)
-            else:  # the result, or (split-K without counters) this split's partial
-                gl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @gluon.jit
-    def _log_decay(a, A_log, dt_bias):
-        """g = -exp(A_log) * softplus(a + dt_bias), fp32, in `gdn_gates_triton._log_decay`'s
-        arithmetic."""
-        x = a + dt_bias
-        e = gl.exp(gl.minimum(x, 20.0))
-        u = 1.0 + e
-        rounded = u == 1.0  # e below half an ulp of 1: log1p(e) is e
-        log1p = gl.where(rounded, e, gl.log(u) * (e / gl.where(rounded, 1.0, u - 1.0)))
-        softplus = gl.where(x > 20.0, x, log1p)
-        return -gl.exp(A_log) * softplus
-
-    @gluon.jit
     def _gates_program(
         row,
         gates,
@@ -857,9 +566,23 @@ sub.rn.bf16x2 $3, p3, bias;
         GATES: gl.constexpr,
         GATE_CHUNKS: gl.constexpr,
     ):
-        """`_product`'s programs (the grid's first N / BN rows of programs); with GATES, after
-        them a GDN layer's gates programs (`_gates_program`), which read x through plain
-        pointers (x_ptr) while the product's programs stream the weight."""
+        """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
+        program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
+        n's counter (then reset by it) adds the partials up and writes out. With SWIGLU, W is
+        [gate; up] (2N rows): a program's BN rows are gate's rows n0 .. n0 + BN/2 over up's
+        same rows, and out[M, N] = silu(gate product) * up product. With Q6, W is q6_g64:
+        the same codes plane and scales as q4_g64, and h_desc its high bits. With ROW_SCALE,
+        x is a folded norm's weighted rows and each x row's factor, from the square_blocks
+        sums at squares_in_ptr, multiplies the accumulator first; with FOLD the result is
+        added to the residual and its norm's parts written instead (`_fold_out`; the module
+        `norm_fold` says what each side computes). With HEAD_DIM, x is the GDN output norm's
+        folded rows: each group's product is also multiplied by its x rows' factors of the
+        head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
+        CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
+        sequence m's one token, and the program writes their causal conv instead
+        (`_conv_out`). With GATES, the grid's programs after the product's (one a b|a row)
+        compute a GDN layer's gates from x instead (`_gates_program`), reading x through
+        plain pointers (x_ptr) while the product's programs stream the weight."""
         conv = (
             conv_taps_ptr,
             windows_ptr,
@@ -869,8 +592,8 @@ sub.rn.bf16x2 $3, p3, bias;
             stride_slot,
             stride_channel,
         )
-        product = gl.cdiv(N, BN // 2 if SWIGLU else BN)
-        if GATES and gl.program_id(0) >= product:
+        products = gl.cdiv(N, BN // 2 if SWIGLU else BN)
+        if GATES and gl.program_id(0) >= products:
             gates = (
                 x_ptr,
                 stride_x,
@@ -883,7 +606,7 @@ sub.rn.bf16x2 $3, p3, bias;
                 beta_ptr,
             )
             _gates_program(
-                gl.program_id(0) - product,
+                gl.program_id(0) - products,
                 gates,
                 M,
                 num_tiles * (GROUPS * _GROUP),
@@ -897,47 +620,244 @@ sub.rn.bf16x2 $3, p3, bias;
                 GATE_CHUNKS,
             )
         else:
-            _product(
-                x_desc,
-                w_desc,
-                s_desc,
-                h_desc,
-                out_ptr,
-                partial_ptr,
-                counters_ptr,
-                M,
-                N,
-                tiles_per_split,
-                num_tiles,
-                residual_ptr,
-                norm_weight_ptr,
-                sum_ptr,
-                squares_out_ptr,
-                squares_in_ptr,
-                square_blocks,
-                inv_width,
-                eps,
-                head_squares_ptr,
-                heads,
-                head_blocks,
-                head_eps,
-                conv,
-                BN,
-                GROUPS,
-                STAGES,
-                SPLIT_K,
-                WEIGHTS_FIRST,
-                PDL,
-                SWIGLU,
-                Q6,
-                FOLD,
-                ROW_SCALE,
-                SQUARE_BLOCKS,
-                HEAD_DIM,
-                HEADS,
-                HEAD_BLOCKS,
-                CONV,
+            R: gl.constexpr = BN // 64  # 16-row blocks per warp
+            MMA: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]
             )
+            A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+            B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+            ROWS_REG: gl.constexpr = [[8, 0]] + ([[64, 0]] if R == 2 else [])
+            ROWS_LANE: gl.constexpr = [[1, 0], [2, 0], [4, 0]]
+            ROWS_WARP: gl.constexpr = [[16, 0], [32, 0]]
+            # a group's words: row g (+ 8, + 64) of a quad's lane 4g + t holds words 2t, 2t + 1
+            W_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1]] + ROWS_REG,
+                lane_bases=[[0, 2], [0, 4]] + ROWS_LANE,
+                warp_bases=ROWS_WARP,
+                block_bases=[],
+                shape=[BN, 8],
+            )
+            # a tile's scales: every group of the thread's rows
+            S_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4]] + ROWS_REG,
+                lane_bases=[[0, 0], [0, 0]] + ROWS_LANE,
+                warp_bases=ROWS_WARP,
+                block_bases=[],
+                shape=[BN, 8],
+            )
+            # x's group: lane 4g + t holds x row g's columns 16t .. 16t + 15, in every warp
+            X_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]],
+                lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[0, 0], [0, 0]],
+                block_bases=[],
+                shape=[8, _GROUP],
+            )
+            X_SHARED: gl.constexpr = gl.NVMMASharedLayout(
+                swizzle_byte_width=128, element_bitwidth=16, rank=2
+            )
+            W_SHARED: gl.constexpr = gl.NVMMASharedLayout(
+                swizzle_byte_width=0, element_bitwidth=32, rank=2
+            )
+            S_SHARED: gl.constexpr = gl.NVMMASharedLayout(
+                swizzle_byte_width=0, element_bitwidth=16, rank=2
+            )
+            gl.static_assert(GROUPS == 8)
+            gl.static_assert(not (SWIGLU and SPLIT_K))
+            gl.static_assert(not (SWIGLU and FOLD))
+            gl.static_assert(not (CONV and (SWIGLU or FOLD or SPLIT_K)))
+
+            pid_n = gl.program_id(0)
+            split = gl.program_id(1)
+            n0 = pid_n * (BN // 2 if SWIGLU else BN)
+            first = split * tiles_per_split
+            count = gl.minimum(num_tiles - first, tiles_per_split)
+
+            x_ring = gl.allocate_shared_memory(
+                gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout
+            )
+            if (
+                SWIGLU
+            ):  # a slot holds gate's rows of each group, then up's: [GROUPS, BN, 8] in memory
+                w_ring = gl.allocate_shared_memory(
+                    gl.int32, [STAGES, GROUPS, 2, BN // 2, 8], w_desc.layout
+                )
+                s_ring = gl.allocate_shared_memory(
+                    gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
+                )
+            else:
+                w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
+                s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
+            if Q6:  # a group's four words of high bits per row
+                h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
+                # thread t of a row quad: high word t of its rows
+                H_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
+                    reg_bases=ROWS_REG,
+                    lane_bases=[[0, 1], [0, 2]] + ROWS_LANE,
+                    warp_bases=ROWS_WARP,
+                    block_bases=[],
+                    shape=[BN, 4],
+                )
+            else:
+                h_ring = w_ring
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+            descs = (x_desc, w_desc, s_desc, h_desc)
+            rings = (x_ring, w_ring, s_ring, h_ring)
+            nbytes: gl.constexpr = (
+                x_desc.block_type.nbytes
+                + w_desc.block_type.nbytes
+                + s_desc.block_type.nbytes
+                + (h_desc.block_type.nbytes if Q6 else 0)
+            )
+            for i in gl.static_range(STAGES - 1):
+                mbarrier.expect(ready.index(i), nbytes, pred=i < count)
+                if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
+                    _issue_tile(
+                        descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
+                    )
+            _await_inputs(PDL)
+            for i in gl.static_range(STAGES - 1):
+                _issue_tile(
+                    descs,
+                    rings,
+                    ready,
+                    i,
+                    first + i,
+                    n0,
+                    i < count,
+                    not WEIGHTS_FIRST,
+                    True,
+                    SWIGLU,
+                    Q6,
+                )
+            # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
+            # the epilogue, on the step's critical path, waits for no load of its own
+            if ROW_SCALE:
+                squares = _load_squares(squares_in_ptr, square_blocks, SQUARE_BLOCKS)
+            else:
+                squares = 0.0
+            if HEAD_DIM > 0:  # every head's factors, in shared memory for the loop to index
+                # written through a [HEADS, 8] view; a rank-1 layout, so that `index` gives one
+                # head's [8]
+                head_scales = gl.allocate_shared_memory(
+                    gl.float32, [HEADS, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+                )
+                table: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+                _view(head_scales, gl.float32, [HEADS, 8], table).store(
+                    _head_scales(
+                        head_squares_ptr,
+                        M,
+                        heads,
+                        head_blocks,
+                        head_eps,
+                        HEAD_DIM,
+                        HEADS,
+                        HEAD_BLOCKS,
+                    )
+                )
+                _barrier()
+            else:
+                head_scales = 0.0
+            if FOLD:
+                rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+                residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
+                norm_weight = gl.load(norm_weight_ptr + rows, mask=rows < N, other=0.0)
+            else:
+                residual = 0.0
+                norm_weight = 0.0
+            if CONV:
+                conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
+            else:
+                conv_in = 0.0
+
+            acc = gl.zeros([BN, 8], gl.float32, MMA)
+            for j in range(count):
+                # refill the slot every warp finished reading a turn ago
+                ahead = j + STAGES - 1
+                slot_ahead = ahead % STAGES
+                _barrier()
+                fence_async_shared()
+                mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
+                _issue_tile(
+                    descs,
+                    rings,
+                    ready,
+                    slot_ahead,
+                    first + ahead,
+                    n0,
+                    ahead < count,
+                    True,
+                    True,
+                    SWIGLU,
+                    Q6,
+                )
+
+                slot = j % STAGES
+                mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+                xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
+                ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
+                scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
+                scales = scales.load(S_LAYOUT).to(gl.float32)
+                if Q6:
+                    hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
+                for g in gl.static_range(GROUPS):
+                    words = ws.slice(g * BN, BN).load(W_LAYOUT)
+                    if Q6:
+                        high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
+                    else:
+                        high = words
+                    a = _weight_operand(words, high, BN, A_LAYOUT, Q6)
+                    b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
+                    product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
+                    scale = gl.convert_layout(
+                        _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
+                    )
+                    if HEAD_DIM > 0:
+                        head = ((first + j) * GROUPS + g) * _GROUP // HEAD_DIM
+                        factors = head_scales.index(head).load(gl.SliceLayout(0, MMA))
+                        product = product * gl.expand_dims(factors, 0)
+                    acc = acc + product * gl.expand_dims(scale, 1)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(i))
+
+            if ROW_SCALE:
+                scale = _row_scale(squares, inv_width, eps, MMA)
+                acc = acc * gl.expand_dims(scale, 0)
+            if SWIGLU:
+                _swiglu_out(acc, out_ptr, M, N, n0, BN)
+            else:
+                rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+                fold = (residual, norm_weight, sum_ptr, squares_out_ptr)
+                if SPLIT_K:
+                    splits = gl.num_programs(1)
+                    gl.store(partial_ptr + split * M * N + at, acc, mask=mask)
+                    _barrier()  # every thread's partial is written before the arrival counts
+                    counter = counters_ptr + pid_n
+                    if gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                        total = gl.zeros([BN, 8], gl.float32, MMA)
+                        for s in range(0, splits):
+                            # .cg reads from L2, where the other programs' partials are
+                            total += gl.load(
+                                partial_ptr + s * M * N + at,
+                                mask=mask,
+                                other=0.0,
+                                cache_modifier=".cg",
+                            )
+                        if FOLD:
+                            _fold_out(total, out_ptr, fold, at, mask, x_rows, pid_n)
+                        else:
+                            gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
+                        gl.atomic_xchg(counter, 0)
+                elif FOLD:
+                    _fold_out(acc, out_ptr, fold, at, mask, x_rows, pid_n)
+                elif CONV:
+                    _conv_out(acc, out_ptr, conv, conv_in, rows, at, mask)
+                else:  # the result, or (split-K without counters) this split's partial
+                    gl.store(
+                        out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=mask
+                    )
 
 
 @functools.cache

@@ -163,26 +163,25 @@ def _calls(statements) -> list[str]:
 
 
 def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
-    """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way. It touches no
-    memory itself and hands each program to `_product` or `_gates_program`. Before its
-    top-level `_await_inputs(PDL)` the product only asks TMA for codes and scales (an
-    `_issue_tile` whose x flag, its parameter `X`, is False), which no kernel writes; x's
-    tiles, the loop and every store come after the wait. The gates programs load only their
-    b|a weight row (`ba_ptr`, which no kernel writes) before theirs. Its launch passes
-    `pdl_options`."""
+    """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way. Its product's
+    programs (the `else` of its one branch on GATES) ask TMA before their top-level
+    `_await_inputs(PDL)` only for codes and scales (an `_issue_tile` whose x flag, its
+    parameter `X`, is False), which no kernel writes; x's tiles, the loop and every store come
+    after the wait. The gates programs (`_gates_program`) load only their b|a weight row
+    (`ba_ptr`, which no kernel writes) before theirs. Its launch passes `pdl_options`."""
     source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
     tree = ast.parse(source)
     functions = _functions(tree)
     (kernel,) = [fn for fn in _jit_kernels(tree) if fn.name == "_q4_tc_kernel"]
     assert "PDL" in [a.arg for a in kernel.args.args]
-    called = _calls(kernel.body)
-    assert not [name for name in called if name.startswith(("gl.load", "gl.store", "gl.atomic"))]
-    assert {"_product", "_gates_program"} <= set(called)
+    (branch,) = [s for s in kernel.body if isinstance(s, ast.If)]
+    assert ast.unparse(branch.test).startswith("GATES and ")
+    assert "_gates_program" in _calls(branch.body)
     x_flag = [a.arg for a in functions["_issue_tile"].args.args].index("X")
-    for name in ("_product", "_gates_program"):
-        body = functions[name].body
+    for name, body in (("product", branch.orelse), ("_gates_program", None)):
+        body = body if body is not None else functions[name].body
         waits = [i for i, s in enumerate(body) if ast.unparse(s) == "_await_inputs(PDL)"]
-        assert len(waits) == 1, f"one top-level wait in {name}"
+        assert len(waits) == 1, f"one top-level wait in the {name} programs"
         before = body[: waits[0]]
         called = _calls(before)
         assert not [c for c in called if c.startswith(("gl.atomic", "gl.store"))], name
@@ -201,8 +200,10 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
             for node in ast.walk(statement)
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_issue_tile"
         ]
-        if name == "_product":
+        if name == "product":
             assert issues, "the weights are asked for before the wait"
         for call in issues:
             assert ast.unparse(call.args[x_flag]) == "False", ast.unparse(call)
+    outside = [s for s in kernel.body if s is not branch]
+    assert not [c for c in _calls(outside) if c.startswith(("gl.load", "gl.store", "gl.atomic"))]
     assert "**pdl_options(x.device)" in source
