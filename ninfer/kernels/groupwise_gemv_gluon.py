@@ -385,13 +385,14 @@ sub.rn.bf16x2 $3, p3, bias;
     def _conv_inputs(conv, n0, M, N, BN: gl.constexpr, MMA: gl.constexpr):
         """What the conv's epilogue reads, loaded before the loop so that it arrives during it:
         x row m's state slot, and for the program's [BN, 8] outputs each q|k|v channel's window
-        of that slot (its three entries) and its four taps (`_conv_out`). Pointers are made
-        again after the loop: held through it they cost the loop instructions."""
+        of that slot (its three entries) and its four taps (`_conv_out`, which makes the
+        window's pointers again rather than hold them through the loop)."""
+        taps_ptr, windows_ptr, slots_ptr, channels, stride_taps, stride_slot, stride_channel = conv
         rows, x_rows, _, mask = _out_index(n0, M, N, BN, MMA)
-        slots = gl.load(conv[2] + x_rows, mask=x_rows < M, other=0)
+        slots = gl.load(slots_ptr + x_rows, mask=x_rows < M, other=0)
         window, conv_rows = _window(conv, slots, rows, mask)
-        taps = conv[0] + rows.to(gl.int64) * conv[4]
-        tap_rows = rows < conv[3]
+        taps = taps_ptr + rows.to(gl.int64) * stride_taps
+        tap_rows = rows < channels
         return (
             slots,
             gl.load(window, mask=conv_rows, other=0.0),
