@@ -723,6 +723,7 @@ def check_gdn_gates_from_x(
     A_log = (torch.randn(heads, device=device) * 0.5).to(dtype)
     dt_bias = torch.linspace(-30, 30, heads, device=device).to(dtype)
     g, beta = module.gdn_gates_from_x(x, w_ba, A_log, dt_bias)
+    assert beta.dtype == dtype
     exact = x.double() @ w_ba.double().T
     slack = hidden * torch.finfo(dtype).eps * (x.double().abs() @ w_ba.double().abs().T)
     check_gates_of_product(g, beta, exact, slack, A_log, dt_bias, g_tol, beta_ulps)
@@ -732,15 +733,15 @@ def check_gates_of_product(
     g: torch.Tensor,
     beta: torch.Tensor,
     exact: torch.Tensor,
-    fp32_slack: torch.Tensor,
+    fp32_slack: torch.Tensor | None,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     g_tol: float,
     beta_ulps: int,
 ) -> None:
     """`check_gdn_gates_from_x`'s bounds on a kernel's g and beta, given the exact b|a product
-    (float64 [T, 2H]) and, for fp32, how far from it an fp32 sum may land; beta's dtype is the
-    one b and a were rounded to."""
+    (float64 [T, 2H]) and, for fp32 (else None), how far from it an fp32 sum may land; beta's
+    dtype is the one b and a were rounded to."""
     dtype = beta.dtype
     tokens, heads = exact.shape[0], exact.shape[1] // 2
     assert g.dtype == torch.float32 and g.shape == (tokens, heads)
