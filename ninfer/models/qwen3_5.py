@@ -106,6 +106,11 @@ class Qwen3_5Config:
         unknown = set(layer_types) - {"full_attention", "linear_attention"}
         if unknown:
             raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}")
+        if is_moe and not 0 < text.get("num_experts_per_tok", 0) <= text.get("num_experts", 0):
+            raise ModelConfigError(
+                f"num_experts_per_tok {text.get('num_experts_per_tok')!r} is not between 1 and "
+                f"num_experts {text.get('num_experts')!r}"
+            )
         num_heads = text["num_attention_heads"]
         return cls(
             vocab_size=text["vocab_size"],

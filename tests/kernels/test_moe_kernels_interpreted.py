@@ -96,6 +96,10 @@ def test_routing_of_a_nan_logit_still_names_valid_experts(routing):
     ours = routing.moe_route(logits, 4, torch.float32, 0, 40)
     assert torch.equal(ours.experts[1], torch.arange(4, dtype=torch.int32))
     assert ours.pair_experts.min() >= 0 and ours.pair_experts.max() < 40
+    # the NaN is in the renormalising sum, as in the reference: every weight of its token
+    ref = routing_reference.moe_route(logits, 4, torch.float32, 0, 40)
+    assert ours.weights[1].isnan().all() and ref.weights[1].isnan().all()
+    torch.testing.assert_close(ours.weights[0], ref.weights[0])
 
 
 def combine_inputs(tokens: int, top_k: int, hidden: int, dtype: torch.dtype) -> dict:

@@ -12,10 +12,13 @@ import torch
 from kernel_cases import moe_block as shared_moe_block
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ninfer.bench.shapes import SHAPES
+from ninfer.errors import ModelConfigError
 from ninfer.models.layers import linear, mlp, moe
 from ninfer.models.layers.linear import GroupwiseLinear
 from ninfer.models.layers.moe import SparseMoE
 from ninfer.models.layers.norms import RMSNorm
+from ninfer.models.qwen3_5 import Qwen3_5Config
 from ninfer.quant import get_format
 
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 128, 64, 16, 4
@@ -199,3 +202,10 @@ def test_norm_inside_the_router_takes_one_launch_fewer(monkeypatch):
     monkeypatch.setattr(moe, "NORM_IN_ROUTER", False)
     meta = block.to(device="meta")
     assert meta.norm_and_forward(x.to("meta"), x.to("meta"), RMSNorm(HIDDEN, 1e-6)) is None
+
+
+@pytest.mark.parametrize("per_token", [0, 257])
+def test_a_config_choosing_no_experts_or_more_than_it_has_is_refused(per_token):
+    config = {**SHAPES["qwen3_5-35b-a3b"], "num_experts_per_tok": per_token}
+    with pytest.raises(ModelConfigError, match="num_experts_per_tok"):
+        Qwen3_5Config.from_hf(config, is_moe=True)
