@@ -24,8 +24,6 @@ from ninfer.kernels.triton_support import next_power_of_2
 # Warps per token's program: one keeps the k rounds of reductions inside a warp (3.65 us per
 # decode step's routing at 256 experts, top 8, against 4.14 us with four warps on the H200).
 ROUTE_WARPS = 1
-# Below every key of a candidate (`route_token`): a taken expert's.
-_TAKEN = tl.constexpr(-(1 << 62))
 
 
 @triton.jit
@@ -54,21 +52,15 @@ def route_token(
     probs = tl.div_rn(shifted, tl.sum(shifted, axis=0))  # IEEE division, as torch's
     # probabilities lie in [0, 1]: -1 marks padding and taken experts, 2 ranks a NaN first
     candidates = tl.where(live, tl.where(probs == probs, probs, 2.0), -1.0)
-    # Each candidate as one int64 key, its fp32 bits above the complement of its id: fp32 of
-    # one sign orders as its bits do, so the largest key is the largest probability and, of
-    # equal ones, the lowest id. A round is then one reduction, where max, min over the tied
-    # ids and the sum of the pick were three dependent ones.
-    keys = (candidates.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - ids)
     chosen = ids < 0
     total = 0.0
     for _ in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
-        taken = keys == best
+        best = tl.max(candidates, axis=0)
+        pick = tl.min(tl.where(candidates == best, ids, BLOCK_E), axis=0)
+        taken = ids == pick
         chosen = chosen | taken
-        # the pick's probability, added in pick order (a NaN ranked as 2: where one
-        # probability is NaN all are, and so is every weight, whatever the sum)
-        total += (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        keys = tl.where(taken, _TAKEN, keys)
+        total += tl.sum(tl.where(taken, probs, 0.0), axis=0)
+        candidates = tl.where(taken, -1.0, candidates)
     pair = token * TOP_K + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
     weights = tl.div_rn(probs, total).to(weights_ptr.dtype.element_ty)
     tl.store(weights_ptr + pair, weights, mask=chosen)
