@@ -36,7 +36,7 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 - `q4_linear_conv` runs a GDN layer's in projection at a decode step: the causal conv of its
   q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x in programs
-  after the product's in the grid (`_gates_program`, one b|a row each), so the conv and
+  ahead of the product's in the grid (`_gates_program`, one b|a row each), so the conv and
   gates kernel that ran between the product and the recurrent kernel goes.
 
 References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`,
@@ -73,7 +73,8 @@ MAX_ROWS = 8
 # Groups of 64 columns per tile.
 GROUPS = 8
 # (rows per program, ring slots, programs per SM that K is split for) where a product is not
-# listed: 64 rows and 3 slots (75 KB of shared memory, three programs an SM) were the fastest
+# listed: 64 rows and 3 slots (75 KB of shared memory: two programs an SM, 24 bytes short of
+# three with the 1 KB the hardware keeps per program) were the fastest
 # of seven settings at the 27B out projections and GDN in projection on the GPU machine, and
 # two programs per SM the best split (bench/decode_kernels.md, "The q4 product at eight rows
 # in Gluon").
@@ -457,7 +458,7 @@ sub.rn.bf16x2 $3, p3, bias;
         `gdn_gates_triton.gdn_gates_from_x`'s dot products (fp32, in another order, rounded to
         x's dtype; with ROW_SCALE each token's folded-norm factor first), then beta =
         sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. These
-        programs run beside the product's and must end before them, so each takes one row
+        programs run beside the product's and should end before them, so each takes one row
         and asks for all of it at once: the weight row (CHUNKS of 1024 columns, 16-byte loads)
         before the PDL wait (no kernel writes it), then x token by token (the loads of
         several tokens in flight together), not a round trip per chunk of columns: a loop
@@ -581,7 +582,7 @@ sub.rn.bf16x2 $3, p3, bias;
         head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
         CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
         sequence m's one token, and the program writes their causal conv instead
-        (`_conv_out`). With GATES, the grid's programs after the product's (one a b|a row)
+        (`_conv_out`). With GATES, the grid's first programs (one a b|a row each)
         compute a GDN layer's gates from x instead (`_gates_program`), reading x through
         plain pointers (x_ptr) while the product's programs stream the weight."""
         conv = (
@@ -593,8 +594,11 @@ sub.rn.bf16x2 $3, p3, bias;
             stride_slot,
             stride_channel,
         )
-        products = gl.cdiv(N, BN // 2 if SWIGLU else BN)
-        if GATES and gl.program_id(0) >= products:
+        # the gates' programs come first in the grid: an SM holds two of this kernel's
+        # programs (75 KB of shared memory each), so the 27B in projection's 256 row blocks
+        # and 96 gate rows take more than one wave, and programs start in grid order
+        gate_rows = 2 * gate_heads if GATES else 0
+        if GATES and gl.program_id(0) < gate_rows:
             gates = (
                 x_ptr,
                 stride_x,
@@ -607,7 +611,7 @@ sub.rn.bf16x2 $3, p3, bias;
                 beta_ptr,
             )
             _gates_program(
-                gl.program_id(0) - products,
+                gl.program_id(0),
                 gates,
                 M,
                 num_tiles * (GROUPS * _GROUP),
@@ -668,7 +672,7 @@ sub.rn.bf16x2 $3, p3, bias;
             gl.static_assert(not (SWIGLU and FOLD))
             gl.static_assert(not (CONV and (SWIGLU or FOLD or SPLIT_K)))
 
-            pid_n = gl.program_id(0)
+            pid_n = gl.program_id(0) - gate_rows
             split = gl.program_id(1)
             n0 = pid_n * (BN // 2 if SWIGLU else BN)
             first = split * tiles_per_split

@@ -12,7 +12,8 @@ are ignored. Programmatic dependent launch is on, as on an H100/H200.
 
 With --sass, each compiled kernel also gets a line read from its SASS: registers, local
 memory (spills), its instructions, and the instructions of its longest loop (the body of its longest backward
-branch) with the most frequent opcodes; the way to see what a change to a kernel's inner loop
+branch) with the most frequent opcodes, then the shared memory a program takes (what bounds
+the programs an SM holds at once); the way to see what a change to a kernel's inner loop
 costs before timing it.
 
 With the GPU machine's Triton installed beside the usual one
@@ -442,7 +443,8 @@ def main() -> int:
                 if cubin is None or cubin in seen:
                     continue
                 seen.add(cubin)
-                print(f"         {kernel_name}: {sass_summary(cubin)}")
+                shared = getattr(kernel.metadata, "shared", None)
+                print(f"         {kernel_name}: {sass_summary(cubin)}, shared memory {shared} B")
     return 1 if failed else 0
 
 
