@@ -35,9 +35,9 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
   halves seen as one more dim), and it writes silu(gate) * up, so the SwiGLU's launch and the
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 - `q4_linear_conv` runs a GDN layer's in projection at a decode step: the causal conv of its
-  q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x in programs
-  ahead of the product's in the grid (`_gates_program`, one b|a row each), so the conv and
-  gates kernel that ran between the product and the recurrent kernel goes.
+  q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x, one b|a row
+  each in the product's first programs before their loop (`_gates_program`), so the conv
+  and gates kernel that ran between the product and the recurrent kernel goes.
 
 References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`,
 `causal_conv1d.causal_conv1d`, `gdn_gates.gdn_gates_from_x`. Loop cost and timings:
@@ -79,6 +79,11 @@ GROUPS = 8
 # two programs per SM the best split (bench/decode_kernels.md, "The q4 product at eight rows
 # in Gluon").
 BLOCK_N, STAGES, PROGRAMS_PER_SM = 64, 3, 2
+# A GDN in projection's gates (`q4_linear_conv`) computed by the product's first 2H programs,
+# each a b|a row before its loop while its ring fills, where there are that many: 2H more
+# programs of this kernel do not fit beside the 27B product's 256 at two an SM, and ran as a
+# second wave (programs start in grid order; put first, they held back 88 of the product's).
+GATES_IN_PRODUCT_PROGRAMS = True
 # ... and the products whose fastest setting differs, per device: (N, K) -> setting.
 TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
     "NVIDIA H200": {
@@ -457,8 +462,9 @@ sub.rn.bf16x2 $3, p3, bias;
         """One b|a row of a GDN layer's gates from its input x, for every token (x row):
         `gdn_gates_triton.gdn_gates_from_x`'s dot products (fp32, in another order, rounded to
         x's dtype; with ROW_SCALE each token's folded-norm factor first), then beta =
-        sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. These
-        programs run beside the product's and should end before them, so each takes one row
+        sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. A
+        product's program runs this before its loop, or a program of its own beside the
+        product's (`GATES_IN_PRODUCT_PROGRAMS`); either should end early, so each takes one row
         and asks for all of it at once: the weight row (CHUNKS of 1024 columns, 16-byte loads)
         before the PDL wait (no kernel writes it), then x token by token (the loads of
         several tokens in flight together), not a round trip per chunk of columns: a loop
@@ -567,6 +573,7 @@ sub.rn.bf16x2 $3, p3, bias;
         CONV: gl.constexpr,
         GATES: gl.constexpr,
         GATE_CHUNKS: gl.constexpr,
+        GATES_IN_PRODUCTS: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -582,9 +589,10 @@ sub.rn.bf16x2 $3, p3, bias;
         head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
         CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
         sequence m's one token, and the program writes their causal conv instead
-        (`_conv_out`). With GATES, the grid's first programs (one a b|a row each)
-        compute a GDN layer's gates from x instead (`_gates_program`), reading x through
-        plain pointers (x_ptr) while the product's programs stream the weight."""
+        (`_conv_out`). With GATES, a GDN layer's gates from x (`_gates_program`, one b|a row
+        each, reading x through plain pointers, x_ptr): with GATES_IN_PRODUCTS by the first
+        programs before their loop, while their ring fills, else by programs after the
+        product's in the grid."""
         conv = (
             conv_taps_ptr,
             windows_ptr,
@@ -594,24 +602,21 @@ sub.rn.bf16x2 $3, p3, bias;
             stride_slot,
             stride_channel,
         )
-        # the gates' programs come first in the grid: an SM holds two of this kernel's
-        # programs (75 KB of shared memory each), so the 27B in projection's 256 row blocks
-        # and 96 gate rows take more than one wave, and programs start in grid order
-        gate_rows = 2 * gate_heads if GATES else 0
-        if GATES and gl.program_id(0) < gate_rows:
-            gates = (
-                x_ptr,
-                stride_x,
-                ba_ptr,
-                stride_ba,
-                gate_heads,
-                A_log_ptr,
-                dt_bias_ptr,
-                g_ptr,
-                beta_ptr,
-            )
+        gates = (
+            x_ptr,
+            stride_x,
+            ba_ptr,
+            stride_ba,
+            gate_heads,
+            A_log_ptr,
+            dt_bias_ptr,
+            g_ptr,
+            beta_ptr,
+        )
+        products = gl.cdiv(N, BN // 2 if SWIGLU else BN)
+        if GATES and not GATES_IN_PRODUCTS and gl.program_id(0) >= products:
             _gates_program(
-                gl.program_id(0),
+                gl.program_id(0) - products,
                 gates,
                 M,
                 num_tiles * (GROUPS * _GROUP),
@@ -672,7 +677,7 @@ sub.rn.bf16x2 $3, p3, bias;
             gl.static_assert(not (SWIGLU and FOLD))
             gl.static_assert(not (CONV and (SWIGLU or FOLD or SPLIT_K)))
 
-            pid_n = gl.program_id(0) - gate_rows
+            pid_n = gl.program_id(0)
             split = gl.program_id(1)
             n0 = pid_n * (BN // 2 if SWIGLU else BN)
             first = split * tiles_per_split
@@ -776,6 +781,23 @@ sub.rn.bf16x2 $3, p3, bias;
                 conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
             else:
                 conv_in = 0.0
+            if GATES_IN_PRODUCTS:
+                # the first 2H programs compute a b|a row of the gates while their ring fills
+                if pid_n < 2 * gate_heads:
+                    _gates_program(
+                        pid_n,
+                        gates,
+                        M,
+                        num_tiles * (GROUPS * _GROUP),
+                        squares_in_ptr,
+                        square_blocks,
+                        inv_width,
+                        eps,
+                        PDL,
+                        ROW_SCALE,
+                        SQUARE_BLOCKS,
+                        GATE_CHUNKS,
+                    )
 
             acc = gl.zeros([BN, 8], gl.float32, MMA)
             for j in range(count):
@@ -1214,14 +1236,17 @@ def _launch(
             conv.windows.stride(1),
         )
     gate_args = (x, x.stride(0), out, 0, 0, out, out, out, out)
-    gate_programs, gate_outputs = 0, None
+    gate_programs, gate_outputs, in_products = 0, None, False
     if gates is not None:
         heads = gates.ba.shape[0] // 2
         g = torch.empty(m, heads, dtype=torch.float32, device=x.device)
         beta = torch.empty(m, heads, dtype=x.dtype, device=x.device)
         gate_args = (x, x.stride(0), gates.ba, gates.ba.stride(0), heads)
         gate_args += (gates.A_log, gates.dt_bias, g, beta)
-        gate_programs, gate_outputs = 2 * heads, (g, beta)  # one b|a row each
+        gate_outputs = (g, beta)
+        # one b|a row each: the product's first programs, or programs after them
+        in_products = GATES_IN_PRODUCT_PROGRAMS and blocks >= 2 * heads
+        gate_programs = 0 if in_products else 2 * heads
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(blocks + gate_programs, splits)](
         x_desc,
@@ -1265,6 +1290,7 @@ def _launch(
         CONV=conv is not None,
         GATES=gates is not None,
         GATE_CHUNKS=triton.next_power_of_2(triton.cdiv(k, 1024)),
+        GATES_IN_PRODUCTS=in_products,
         num_warps=4,
         **pdl_options(x.device),
     )
