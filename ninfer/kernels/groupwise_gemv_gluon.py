@@ -35,9 +35,9 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
   halves seen as one more dim), and it writes silu(gate) * up, so the SwiGLU's launch and the
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 - `q4_linear_conv` runs a GDN layer's in projection at a decode step: the causal conv of its
-  q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x, one b|a row
-  each in the product's first programs before their loop (`_gates_program`), so the conv
-  and gates kernel that ran between the product and the recurrent kernel goes.
+  q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x in programs
+  after the product's in the grid (`_gates_program`, one b|a row each), so the conv and
+  gates kernel that ran between the product and the recurrent kernel goes.
 
 References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`,
 `causal_conv1d.causal_conv1d`, `gdn_gates.gdn_gates_from_x`. Loop cost and timings:
@@ -79,11 +79,6 @@ GROUPS = 8
 # two programs per SM the best split (bench/decode_kernels.md, "The q4 product at eight rows
 # in Gluon").
 BLOCK_N, STAGES, PROGRAMS_PER_SM = 64, 3, 2
-# A GDN in projection's gates (`q4_linear_conv`) computed by the product's first 2H programs,
-# each a b|a row before its loop while its ring fills, where there are that many: 2H more
-# programs of this kernel do not fit beside the 27B product's 256 at two an SM, and ran as a
-# second wave (programs start in grid order; put first, they held back 88 of the product's).
-GATES_IN_PRODUCT_PROGRAMS = True
 # ... and the products whose fastest setting differs, per device: (N, K) -> setting.
 TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
     "NVIDIA H200": {
@@ -462,14 +457,15 @@ sub.rn.bf16x2 $3, p3, bias;
         """One b|a row of a GDN layer's gates from its input x, for every token (x row):
         `gdn_gates_triton.gdn_gates_from_x`'s dot products (fp32, in another order, rounded to
         x's dtype; with ROW_SCALE each token's folded-norm factor first), then beta =
-        sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. A
-        product's program runs this before its loop, or a program of its own beside the
-        product's (`GATES_IN_PRODUCT_PROGRAMS`); either should end early, so each takes one row
-        and asks for all of it at once: the weight row (CHUNKS of 1024 columns, 16-byte loads)
-        before the PDL wait (no kernel writes it), then x token by token (the loads of
-        several tokens in flight together), not a round trip per chunk of columns: a loop
-        over chunks added 3.4 us to the 27B in projection's 16 us and nothing to the step
-        (docs/performance.md, Measurement 28)."""
+        sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. These
+        programs follow the product's in the grid; at two programs an SM the 27B in
+        projection's 96 start as its row blocks end (put first, or run by the first row
+        blocks before their loop, they delayed the product more; docs/performance.md,
+        Measurement 29). Each takes one row and asks for all of it at once: the weight row
+        (CHUNKS of 1024 columns, 16-byte loads) before the PDL wait (no kernel writes it),
+        then x token by token (the loads of several tokens in flight together), not a round
+        trip per chunk of columns: a loop over chunks added 3.4 us to the 27B in projection's
+        16 us and nothing to the step (Measurement 28)."""
         x_ptr, stride_x, ba_ptr, stride_ba, heads, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr = gates
         # [chunk, lane, column]: lane i of the program holds columns 8i .. 8i + 7 of every
         # chunk of 1024 and adds its products up in-thread
@@ -573,7 +569,6 @@ sub.rn.bf16x2 $3, p3, bias;
         CONV: gl.constexpr,
         GATES: gl.constexpr,
         GATE_CHUNKS: gl.constexpr,
-        GATES_IN_PRODUCTS: gl.constexpr,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -589,10 +584,9 @@ sub.rn.bf16x2 $3, p3, bias;
         head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
         CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
         sequence m's one token, and the program writes their causal conv instead
-        (`_conv_out`). With GATES, a GDN layer's gates from x (`_gates_program`, one b|a row
-        each, reading x through plain pointers, x_ptr): with GATES_IN_PRODUCTS by the first
-        programs before their loop, while their ring fills, else by programs after the
-        product's in the grid."""
+        (`_conv_out`). With GATES, the grid's programs after the product's (one a b|a row)
+        compute a GDN layer's gates from x instead (`_gates_program`), reading x through
+        plain pointers (x_ptr) while the product's programs stream the weight."""
         conv = (
             conv_taps_ptr,
             windows_ptr,
@@ -602,19 +596,19 @@ sub.rn.bf16x2 $3, p3, bias;
             stride_slot,
             stride_channel,
         )
-        gates = (
-            x_ptr,
-            stride_x,
-            ba_ptr,
-            stride_ba,
-            gate_heads,
-            A_log_ptr,
-            dt_bias_ptr,
-            g_ptr,
-            beta_ptr,
-        )
         products = gl.cdiv(N, BN // 2 if SWIGLU else BN)
-        if GATES and not GATES_IN_PRODUCTS and gl.program_id(0) >= products:
+        if GATES and gl.program_id(0) >= products:
+            gates = (
+                x_ptr,
+                stride_x,
+                ba_ptr,
+                stride_ba,
+                gate_heads,
+                A_log_ptr,
+                dt_bias_ptr,
+                g_ptr,
+                beta_ptr,
+            )
             _gates_program(
                 gl.program_id(0) - products,
                 gates,
@@ -781,23 +775,6 @@ sub.rn.bf16x2 $3, p3, bias;
                 conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
             else:
                 conv_in = 0.0
-            if GATES_IN_PRODUCTS:
-                # the first 2H programs compute a b|a row of the gates while their ring fills
-                if pid_n < 2 * gate_heads:
-                    _gates_program(
-                        pid_n,
-                        gates,
-                        M,
-                        num_tiles * (GROUPS * _GROUP),
-                        squares_in_ptr,
-                        square_blocks,
-                        inv_width,
-                        eps,
-                        PDL,
-                        ROW_SCALE,
-                        SQUARE_BLOCKS,
-                        GATE_CHUNKS,
-                    )
 
             acc = gl.zeros([BN, 8], gl.float32, MMA)
             for j in range(count):
@@ -1236,17 +1213,14 @@ def _launch(
             conv.windows.stride(1),
         )
     gate_args = (x, x.stride(0), out, 0, 0, out, out, out, out)
-    gate_programs, gate_outputs, in_products = 0, None, False
+    gate_programs, gate_outputs = 0, None
     if gates is not None:
         heads = gates.ba.shape[0] // 2
         g = torch.empty(m, heads, dtype=torch.float32, device=x.device)
         beta = torch.empty(m, heads, dtype=x.dtype, device=x.device)
         gate_args = (x, x.stride(0), gates.ba, gates.ba.stride(0), heads)
         gate_args += (gates.A_log, gates.dt_bias, g, beta)
-        gate_outputs = (g, beta)
-        # one b|a row each: the product's first programs, or programs after them
-        in_products = GATES_IN_PRODUCT_PROGRAMS and blocks >= 2 * heads
-        gate_programs = 0 if in_products else 2 * heads
+        gate_programs, gate_outputs = 2 * heads, (g, beta)  # one b|a row each
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(blocks + gate_programs, splits)](
         x_desc,
@@ -1290,7 +1264,6 @@ def _launch(
         CONV=conv is not None,
         GATES=gates is not None,
         GATE_CHUNKS=triton.next_power_of_2(triton.cdiv(k, 1024)),
-        GATES_IN_PRODUCTS=in_products,
         num_warps=4,
         **pdl_options(x.device),
     )

@@ -53,25 +53,19 @@ def _input(m: int, hidden: int, folded: bool):
     return rows, u.double() * scale[:, None]
 
 
-@pytest.mark.parametrize(
-    ("pdl", "in_products"),
-    [("0", True), ("1", True), ("1", False)],
-    ids=["pdl-off", "pdl", "pdl-gates-apart"],
-)
+@pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("folded", [False, True], ids=["plain", "folded"])
 @pytest.mark.parametrize("m", [2, 5, 8])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_in_projection_with_conv_and_gates(monkeypatch, shape, m, folded, pdl, in_products):
+def test_in_projection_with_conv_and_gates(monkeypatch, shape, m, folded, pdl):
     """The conv's outputs, z and every window (touched or not) bit for bit the product, then
     `causal_conv1d_triton.causal_conv1d`; g and beta within `check_gates_of_product`'s bounds
     of the exact product (the gates kernel's own tolerances); and the same conv without the
-    gates. The gates computed by the product's first programs, or by programs of their own
-    after them (`GATES_IN_PRODUCT_PROGRAMS`)."""
+    gates programs."""
     from ninfer.kernels import causal_conv1d_triton
     from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
 
     monkeypatch.setenv("NINFER_PDL", pdl)
-    monkeypatch.setattr(gluon_gemv, "GATES_IN_PRODUCT_PROGRAMS", in_products)
     torch.manual_seed(m)
     weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer(shape, m)
     channels, hidden = taps.shape[0], ba.shape[1]
