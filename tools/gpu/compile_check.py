@@ -12,9 +12,9 @@ are ignored. Programmatic dependent launch is on, as on an H100/H200.
 
 With --sass, each compiled kernel also gets a line read from its SASS: registers, local
 memory (spills), its instructions, and the instructions of its longest loop (the body of its longest backward
-branch) with the most frequent opcodes, then the shared memory a program takes (what bounds
-the programs an SM holds at once); the way to see what a change to a kernel's inner loop
-costs before timing it.
+branch) with the most frequent opcodes, then the shared memory a program takes and, for
+sm_90, how many programs an SM holds at once and what bounds that; the way to see what a
+change to a kernel's inner loop or its footprint costs before timing it.
 
 With the GPU machine's Triton installed beside the usual one
 (`pip install --no-deps --target /tmp/triton-gpu triton==3.6.0`), run it with
@@ -50,6 +50,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver, jit  # noqa: E402
 
 import ninfer.kernels  # noqa: E402
+from ninfer.kernels.triton_support import programs_per_sm  # noqa: E402
 
 BF16 = torch.bfloat16
 SMS = 132  # an H100/H200: the wrappers size grids and blocks by it
@@ -443,8 +444,14 @@ def main() -> int:
                 if cubin is None or cubin in seen:
                     continue
                 seen.add(cubin)
-                shared = getattr(kernel.metadata, "shared", None)
-                print(f"         {kernel_name}: {sass_summary(cubin)}, shared memory {shared} B")
+                shared = getattr(kernel.metadata, "shared", 0)
+                line = f"{sass_summary(cubin)}, shared memory {shared} B"
+                registers = re.match(r"registers (\d+)", line)
+                if args.capability == 90 and registers:
+                    warps = kernel.metadata.num_warps
+                    count, bound = programs_per_sm(shared, int(registers.group(1)), warps)
+                    line += f", {count} programs an SM ({bound})"
+                print(f"         {kernel_name}: {line}")
     return 1 if failed else 0
 
 
