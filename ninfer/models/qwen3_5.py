@@ -106,10 +106,10 @@ class Qwen3_5Config:
         unknown = set(layer_types) - {"full_attention", "linear_attention"}
         if unknown:
             raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}")
-        if is_moe and not 0 < text.get("num_experts_per_tok", 0) <= text.get("num_experts", 0):
+        chosen, experts = text.get("num_experts_per_tok", 0), text.get("num_experts", 0)
+        if is_moe and not 0 < chosen <= experts:
             raise ModelConfigError(
-                f"num_experts_per_tok {text.get('num_experts_per_tok')!r} is not between 1 and "
-                f"num_experts {text.get('num_experts')!r}"
+                f"num_experts_per_tok {chosen!r} is not between 1 and num_experts {experts!r}"
             )
         num_heads = text["num_attention_heads"]
         return cls(
