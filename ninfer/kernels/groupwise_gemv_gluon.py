@@ -98,15 +98,6 @@ WEIGHT_ORDER = (0, 3, 6, 5, 1, 2, 4)
 X_ORDER = (0, 3, 5, 6, 1, 2, 4)
 # The first tiles' codes and scales are asked for before the PDL wait.
 WEIGHTS_BEFORE_WAIT = True
-# Each tile's scales are loaded straight into registers two tiles ahead (`_scale_tile`) rather
-# than brought by TMA into the ring: a 3-slot program then takes 73,752 bytes of shared memory
-# against 76,824, and an SM holds three programs instead of two (with the 1 KB Hopper keeps per
-# program, three need 224,328 of its 233,472 bytes).
-SCALES_IN_REGISTERS = True
-# The register cap that lets three 4-warp programs share an SM's 64 K registers (170 a thread,
-# rounded down to the allocation unit of 8); the plain product takes 96 uncapped, the form
-# with the GDN gates' programs more.
-THREE_PROGRAMS_REGISTERS = 168
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -280,12 +271,10 @@ sub.rn.bf16x2 $3, p3, bias;
         X: gl.constexpr,
         HALVES: gl.constexpr,
         Q6: gl.constexpr,
-        SCALE_RING: gl.constexpr,
     ):
-        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS; the scales only with SCALE_RING,
-        else `_scale_tile` loads them; with Q6 the high bits too) and x's tile (X) into ring
-        slot `slot`, counted by its mbarrier. With HALVES the weight is [gate; up] seen as two
-        halves (`_descriptors`) and n0 a row of each."""
+        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS; with Q6 the high bits too) and
+        x's tile (X) into ring slot `slot`, counted by its mbarrier. With HALVES the weight is
+        [gate; up] seen as two halves (`_descriptors`) and n0 a row of each."""
         x_desc, w_desc, s_desc, h_desc = descs
         x_ring, w_ring, s_ring, h_ring = rings
         groups: gl.constexpr = w_desc.block_type.shape[0]
@@ -293,37 +282,14 @@ sub.rn.bf16x2 $3, p3, bias;
         if WEIGHTS:
             if HALVES:
                 _tma_load(w_desc, [tile * groups, 0, n0, 0], bar, w_ring.index(slot), pred=pred)
-                if SCALE_RING:
-                    _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
             else:
                 _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
-                if SCALE_RING:
-                    _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+                _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
             if Q6:
                 _tma_load(h_desc, [tile * groups, n0, 0], bar, h_ring.index(slot), pred=pred)
         if X:
             _tma_load(x_desc, [tile * groups, 0, 0], bar, x_ring.index(slot), pred=pred)
-
-    @gluon.jit
-    def _scale_tile(scales, tile, n0, N, pred, BN: gl.constexpr, HALVES: gl.constexpr, LAYOUT):
-        """Tile `tile`'s fp16 scales of the program's BN rows, [BN, GROUPS] in LAYOUT (each
-        thread its rows' 8 groups, one 16-byte load a row), straight from memory into
-        registers: `scales` is (pointer, row stride) of the [N, K/64] plane. With HALVES the
-        weight is [gate; up], N the rows of each half and n0 a row of each: the program's
-        first BN/2 rows are gate's, the rest up's. Rows past N, and the whole tile where
-        `pred` is false, read as zeros, as TMA's box gives them."""
-        scales_ptr, stride = scales
-        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, LAYOUT))
-        groups = gl.arange(0, 8, layout=gl.SliceLayout(0, LAYOUT))
-        if HALVES:
-            row = n0 + rows % (BN // 2)
-            at_row = (rows // (BN // 2)) * N + row
-        else:
-            row = n0 + rows
-            at_row = row
-        at = gl.expand_dims(at_row.to(gl.int64) * stride, 1) + gl.expand_dims(tile * 8 + groups, 0)
-        mask = (gl.expand_dims(row, 1) < N) & (gl.expand_dims(groups, 0) < 8) & pred
-        return gl.load(scales_ptr + at, mask=mask, other=0.0)
 
     @gluon.jit
     def _swiglu_out(acc, out_ptr, M, N, n0, BN: gl.constexpr):
@@ -586,12 +552,9 @@ sub.rn.bf16x2 $3, p3, bias;
         dt_bias_ptr,
         g_ptr,
         beta_ptr,
-        scales_ptr,
-        stride_scales,
         BN: gl.constexpr,
         GROUPS: gl.constexpr,
         STAGES: gl.constexpr,
-        SCALE_REGS: gl.constexpr,
         SPLIT_K: gl.constexpr,
         WEIGHTS_FIRST: gl.constexpr,
         PDL: gl.constexpr,
@@ -723,18 +686,12 @@ sub.rn.bf16x2 $3, p3, bias;
                 w_ring = gl.allocate_shared_memory(
                     gl.int32, [STAGES, GROUPS, 2, BN // 2, 8], w_desc.layout
                 )
-                if not SCALE_REGS:
-                    s_ring = gl.allocate_shared_memory(
-                        gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
-                    )
+                s_ring = gl.allocate_shared_memory(
+                    gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
+                )
             else:
                 w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
-                if not SCALE_REGS:
-                    s_ring = gl.allocate_shared_memory(
-                        gl.float16, [STAGES, BN, GROUPS], s_desc.layout
-                    )
-            if SCALE_REGS:  # no slot for scales (`_scale_tile`)
-                s_ring = w_ring
+                s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
             if Q6:  # a group's four words of high bits per row
                 h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
                 # thread t of a row quad: high word t of its rows
@@ -755,37 +712,16 @@ sub.rn.bf16x2 $3, p3, bias;
             nbytes: gl.constexpr = (
                 x_desc.block_type.nbytes
                 + w_desc.block_type.nbytes
-                + (0 if SCALE_REGS else s_desc.block_type.nbytes)
+                + s_desc.block_type.nbytes
                 + (h_desc.block_type.nbytes if Q6 else 0)
             )
-            scales = (scales_ptr, stride_scales)
-            # the first two tiles' scales in registers: the loop loads each next one two ahead
-            s_now = 0.0
-            s_next = 0.0
             for i in gl.static_range(STAGES - 1):
                 mbarrier.expect(ready.index(i), nbytes, pred=i < count)
                 if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
                     _issue_tile(
-                        descs,
-                        rings,
-                        ready,
-                        i,
-                        first + i,
-                        n0,
-                        i < count,
-                        True,
-                        False,
-                        SWIGLU,
-                        Q6,
-                        not SCALE_REGS,
+                        descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
                     )
-            if SCALE_REGS and WEIGHTS_FIRST:
-                s_now = _scale_tile(scales, first, n0, N, 0 < count, BN, SWIGLU, S_LAYOUT)
-                s_next = _scale_tile(scales, first + 1, n0, N, 1 < count, BN, SWIGLU, S_LAYOUT)
             _await_inputs(PDL)
-            if SCALE_REGS and not WEIGHTS_FIRST:
-                s_now = _scale_tile(scales, first, n0, N, 0 < count, BN, SWIGLU, S_LAYOUT)
-                s_next = _scale_tile(scales, first + 1, n0, N, 1 < count, BN, SWIGLU, S_LAYOUT)
             for i in gl.static_range(STAGES - 1):
                 _issue_tile(
                     descs,
@@ -799,7 +735,6 @@ sub.rn.bf16x2 $3, p3, bias;
                     True,
                     SWIGLU,
                     Q6,
-                    not SCALE_REGS,
                 )
             # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
             # the epilogue, on the step's critical path, waits for no load of its own
@@ -861,24 +796,14 @@ sub.rn.bf16x2 $3, p3, bias;
                     True,
                     SWIGLU,
                     Q6,
-                    not SCALE_REGS,
                 )
-                if SCALE_REGS:
-                    s_far = _scale_tile(
-                        scales, first + j + 2, n0, N, j + 2 < count, BN, SWIGLU, S_LAYOUT
-                    )
 
                 slot = j % STAGES
                 mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
                 xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
                 ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
-                if SCALE_REGS:
-                    tile_scales = s_now.to(gl.float32)
-                    s_now = s_next
-                    s_next = s_far
-                else:
-                    tile_scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
-                    tile_scales = tile_scales.load(S_LAYOUT).to(gl.float32)
+                scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
+                scales = scales.load(S_LAYOUT).to(gl.float32)
                 if Q6:
                     hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
                 for g in gl.static_range(GROUPS):
@@ -891,7 +816,7 @@ sub.rn.bf16x2 $3, p3, bias;
                     b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
                     product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
                     scale = gl.convert_layout(
-                        _column(tile_scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
+                        _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
                     )
                     if HEAD_DIM > 0:
                         head = ((first + j) * GROUPS + g) * _GROUP // HEAD_DIM
@@ -1296,8 +1221,6 @@ def _launch(
         gate_args = (x, x.stride(0), gates.ba, gates.ba.stride(0), heads)
         gate_args += (gates.A_log, gates.dt_bias, g, beta)
         gate_programs, gate_outputs = 2 * heads, (g, beta)  # one b|a row each
-    # the gates' form with a folded norm takes 170 registers uncapped: two programs an SM
-    registers = {"maxnreg": THREE_PROGRAMS_REGISTERS} if gates and SCALES_IN_REGISTERS else {}
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(blocks + gate_programs, splits)](
         x_desc,
@@ -1325,12 +1248,9 @@ def _launch(
         head_eps,
         *conv_args,
         *gate_args,
-        scales,
-        scales.stride(0),
         BN=block_n,
         GROUPS=GROUPS,
         STAGES=stages,
-        SCALE_REGS=SCALES_IN_REGISTERS,
         SPLIT_K=counters is not None,
         WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
         SWIGLU=swiglu,
@@ -1346,7 +1266,6 @@ def _launch(
         GATE_CHUNKS=triton.next_power_of_2(triton.cdiv(k, 1024)),
         num_warps=4,
         **pdl_options(x.device),
-        **registers,
     )
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)
