@@ -272,3 +272,64 @@ def test_a_q6_head_reads_its_stored_weight_at_one_to_eight_rows(monkeypatch, row
     assert len(calls) == (1 if 2 <= rows <= 8 else 0)
     exact = x.float() @ stored.decode(torch.float32).T
     assert relative_error(out, exact) < 4e-3
+
+
+@pytest.mark.parametrize("m", [2, 8])
+@pytest.mark.parametrize(
+    ("form", "n", "k"),
+    [
+        ("q4", 5120, 6144),  # three slots: the form that takes it
+        ("q4", 12288, 5120),  # four slots
+        ("q4", 5120, 17408),  # K split, counters
+        ("q4", 200, 1024),  # rows past N
+        ("swiglu", 34816, 5120),
+        ("swiglu", 200, 1024),  # gate's and up's rows past N
+        ("q6", 248320, 2048),
+        ("q6", 70, 1024),
+        ("folded", 5120, 6144),
+    ],
+    ids=str,
+)
+def test_scales_a_tile_ahead_give_the_main_ring_s_products_bit_for_bit(monkeypatch, form, n, k, m):
+    """`SCALES_ONE_TILE_AHEAD`: each tile's scales through their own two-slot ring, asked for a
+    tile ahead, give the same bits as scales in the main ring's slots, in every form the kernel
+    has (the GDN in projection's in test_gdn_in_projection_gpu.py), at three slots (the form
+    that takes it) and four (unchanged), with weights asked for before the wait or after it."""
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.kernels.norm_fold import NormAfter, NormedRows
+
+    torch.manual_seed(n + k + m)
+    fmt = Q6 if form == "q6" else Q4
+    weight = get_format(fmt).encode(torch.randn(n, k, device="cuda") * 0.05)
+    # scales spread over two octaves, so a scale read from the wrong group or row shows
+    scales = weight.planes["scales"]
+    scales.mul_(torch.rand_like(scales, dtype=torch.float32).mul(3).add(1).to(scales.dtype))
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    norm_weight = torch.randn(n, device="cuda").to(torch.bfloat16) * 0.1
+    squares = torch.rand(80, 8, device="cuda") * k / 20
+
+    def product():
+        if form == "swiglu":
+            return [groupwise_gemv_gluon.q4_swiglu_linear(x, weight)]
+        if form == "q6":
+            return [groupwise_gemv_gluon.q6_linear(x, weight)]
+        if form == "folded":
+            rows, total = groupwise_gemv_gluon.q4_linear(
+                NormedRows(x, squares, 1e-6), weight, NormAfter(residual, norm_weight, 1e-6)
+            )
+            return [rows.weighted, rows.squares, total]
+        return [groupwise_gemv_gluon.q4_linear(x, weight)]
+
+    outs = {}
+    for ahead in (True, False):
+        for first in (True, False):
+            monkeypatch.setattr(groupwise_gemv_gluon, "SCALES_ONE_TILE_AHEAD", ahead)
+            monkeypatch.setattr(groupwise_gemv_gluon, "WEIGHTS_BEFORE_WAIT", first)
+            outs[ahead, first] = product()
+    ring = outs[False, True]
+    for key, out in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, ring, strict=True)), key
+    if form in ("q4", "q6"):
+        exact = x.float() @ weight.decode(torch.float32).T
+        assert relative_error(ring[0], exact) < 4e-3
