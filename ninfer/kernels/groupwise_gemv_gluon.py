@@ -73,11 +73,12 @@ MAX_ROWS = 8
 # Groups of 64 columns per tile.
 GROUPS = 8
 # (rows per program, ring slots, programs per SM that K is split for) where a product is not
-# listed: 64 rows and 3 slots (75 KB of shared memory: two programs an SM, 24 bytes short of
+# listed: 64 rows and 3 slots (75 KB of shared memory: two programs an SM, 72 bytes short of
 # three with the 1 KB the hardware keeps per program) were the fastest
 # of seven settings at the 27B out projections and GDN in projection on the GPU machine, and
 # two programs per SM the best split (bench/decode_kernels.md, "The q4 product at eight rows
-# in Gluon").
+# in Gluon"). Three programs an SM, by taking the scales out of the ring, were slower
+# (bench/decode_kernels.md, "Three Gluon programs an SM").
 BLOCK_N, STAGES, PROGRAMS_PER_SM = 64, 3, 2
 # ... and the products whose fastest setting differs, per device: (N, K) -> setting.
 TUNED: dict[str, dict[tuple[int, int], tuple[int, int, int]]] = {
@@ -98,12 +99,6 @@ WEIGHT_ORDER = (0, 3, 6, 5, 1, 2, 4)
 X_ORDER = (0, 3, 5, 6, 1, 2, 4)
 # The first tiles' codes and scales are asked for before the PDL wait.
 WEIGHTS_BEFORE_WAIT = True
-# At three ring slots, the scales come through a ring of their own of two slots, each tile's
-# asked for one tile ahead (counted by the tile's slot's mbarrier): 75,800 bytes of shared
-# memory a program against 76,824, so that an SM holds three programs, not two (with the 1 KB
-# Hopper keeps per program, three need 230,472 of its 233,472 bytes). At two slots an SM holds
-# four programs either way, at four two.
-SCALES_ONE_TILE_AHEAD = True
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -277,12 +272,10 @@ sub.rn.bf16x2 $3, p3, bias;
         X: gl.constexpr,
         HALVES: gl.constexpr,
         Q6: gl.constexpr,
-        SCALES: gl.constexpr,
     ):
-        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS; the scales only with SCALES,
-        else `_issue_scales` asks for them; with Q6 the high bits too) and x's tile (X) into
-        ring slot `slot`, counted by its mbarrier. With HALVES the weight is [gate; up] seen
-        as two halves (`_descriptors`) and n0 a row of each."""
+        """Ask TMA for tile `tile`'s codes and scales (WEIGHTS; with Q6 the high bits too) and
+        x's tile (X) into ring slot `slot`, counted by its mbarrier. With HALVES the weight is
+        [gate; up] seen as two halves (`_descriptors`) and n0 a row of each."""
         x_desc, w_desc, s_desc, h_desc = descs
         x_ring, w_ring, s_ring, h_ring = rings
         groups: gl.constexpr = w_desc.block_type.shape[0]
@@ -290,24 +283,14 @@ sub.rn.bf16x2 $3, p3, bias;
         if WEIGHTS:
             if HALVES:
                 _tma_load(w_desc, [tile * groups, 0, n0, 0], bar, w_ring.index(slot), pred=pred)
+                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
             else:
                 _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
-            if SCALES:
-                _issue_scales(s_desc, s_ring, bar, slot, tile, n0, pred, HALVES)
+                _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
             if Q6:
                 _tma_load(h_desc, [tile * groups, n0, 0], bar, h_ring.index(slot), pred=pred)
         if X:
             _tma_load(x_desc, [tile * groups, 0, 0], bar, x_ring.index(slot), pred=pred)
-
-    @gluon.jit
-    def _issue_scales(s_desc, s_ring, bar, scale_slot, tile, n0, pred, HALVES: gl.constexpr):
-        """Ask TMA for tile `tile`'s scales into slot `scale_slot` of their ring, counted by
-        `bar` (the mbarrier of the tile's slot, whose expected bytes include them)."""
-        groups: gl.constexpr = s_desc.block_type.shape[-1]
-        if HALVES:
-            _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(scale_slot), pred=pred)
-        else:
-            _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(scale_slot), pred=pred)
 
     @gluon.jit
     def _swiglu_out(acc, out_ptr, M, N, n0, BN: gl.constexpr):
@@ -573,7 +556,6 @@ sub.rn.bf16x2 $3, p3, bias;
         BN: gl.constexpr,
         GROUPS: gl.constexpr,
         STAGES: gl.constexpr,
-        SCALES_AHEAD: gl.constexpr,
         SPLIT_K: gl.constexpr,
         WEIGHTS_FIRST: gl.constexpr,
         PDL: gl.constexpr,
@@ -695,9 +677,6 @@ sub.rn.bf16x2 $3, p3, bias;
             n0 = pid_n * (BN // 2 if SWIGLU else BN)
             first = split * tiles_per_split
             count = gl.minimum(num_tiles - first, tiles_per_split)
-            # the scales' ring: two slots, tile t's asked for a tile ahead into slot t % 2
-            # (SCALES_AHEAD), or a slot of the main ring
-            SCALE_SLOTS: gl.constexpr = 2 if SCALES_AHEAD else STAGES
 
             x_ring = gl.allocate_shared_memory(
                 gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout
@@ -709,13 +688,11 @@ sub.rn.bf16x2 $3, p3, bias;
                     gl.int32, [STAGES, GROUPS, 2, BN // 2, 8], w_desc.layout
                 )
                 s_ring = gl.allocate_shared_memory(
-                    gl.float16, [SCALE_SLOTS, 2, BN // 2, GROUPS], s_desc.layout
+                    gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
                 )
             else:
                 w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
-                s_ring = gl.allocate_shared_memory(
-                    gl.float16, [SCALE_SLOTS, BN, GROUPS], s_desc.layout
-                )
+                s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
             if Q6:  # a group's four words of high bits per row
                 h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
                 # thread t of a row quad: high word t of its rows
@@ -743,24 +720,9 @@ sub.rn.bf16x2 $3, p3, bias;
                 mbarrier.expect(ready.index(i), nbytes, pred=i < count)
                 if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
                     _issue_tile(
-                        descs,
-                        rings,
-                        ready,
-                        i,
-                        first + i,
-                        n0,
-                        i < count,
-                        True,
-                        False,
-                        SWIGLU,
-                        Q6,
-                        not SCALES_AHEAD,
+                        descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
                     )
-            if SCALES_AHEAD and WEIGHTS_FIRST:
-                _issue_scales(s_desc, s_ring, ready.index(0), 0, first, n0, 0 < count, SWIGLU)
             _await_inputs(PDL)
-            if SCALES_AHEAD and not WEIGHTS_FIRST:
-                _issue_scales(s_desc, s_ring, ready.index(0), 0, first, n0, 0 < count, SWIGLU)
             for i in gl.static_range(STAGES - 1):
                 _issue_tile(
                     descs,
@@ -774,7 +736,6 @@ sub.rn.bf16x2 $3, p3, bias;
                     True,
                     SWIGLU,
                     Q6,
-                    not SCALES_AHEAD,
                 )
             # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
             # the epilogue, on the step's critical path, waits for no load of its own
@@ -836,26 +797,13 @@ sub.rn.bf16x2 $3, p3, bias;
                     True,
                     SWIGLU,
                     Q6,
-                    not SCALES_AHEAD,
                 )
-                if SCALES_AHEAD:  # the next tile's, into the scale slot read a turn ago
-                    _issue_scales(
-                        s_desc,
-                        s_ring,
-                        ready.index((j + 1) % STAGES),
-                        (j + 1) % 2,
-                        first + j + 1,
-                        n0,
-                        j + 1 < count,
-                        SWIGLU,
-                    )
 
                 slot = j % STAGES
                 mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
                 xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
                 ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
-                scale_slot = j % 2 if SCALES_AHEAD else slot
-                scales = _view(s_ring.index(scale_slot), gl.float16, [BN, GROUPS], S_SHARED)
+                scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
                 scales = scales.load(S_LAYOUT).to(gl.float32)
                 if Q6:
                     hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
@@ -1304,7 +1252,6 @@ def _launch(
         BN=block_n,
         GROUPS=GROUPS,
         STAGES=stages,
-        SCALES_AHEAD=SCALES_ONE_TILE_AHEAD and stages == 3,
         SPLIT_K=counters is not None,
         WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
         SWIGLU=swiglu,

@@ -95,28 +95,6 @@ def test_in_projection_with_conv_and_gates(monkeypatch, shape, m, folded, pdl):
     assert torch.equal(out_alone, out) and torch.equal(alone.windows, ref_windows)
 
 
-@pytest.mark.parametrize("folded", [False, True], ids=["plain", "folded"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_in_projection_with_scales_a_tile_ahead_or_in_the_main_ring(monkeypatch, shape, folded):
-    """`SCALES_ONE_TILE_AHEAD` on and off: outputs, windows, g and beta bit for bit the same."""
-    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
-
-    torch.manual_seed(11)
-    weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer(shape, 8)
-    scales = weight.planes["scales"]
-    scales.mul_(torch.rand_like(scales, dtype=torch.float32).mul(3).add(1).to(scales.dtype))
-    x, _ = _input(8, ba.shape[1], folded)
-    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
-    results = []
-    for ahead in (True, False):
-        monkeypatch.setattr(gluon_gemv, "SCALES_ONE_TILE_AHEAD", ahead)
-        conv = gluon_gemv.GdnConv(taps, windows.clone(), state_slots)
-        out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
-        results.append((out, conv.windows, g, beta))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-
-
 def test_in_projection_with_conv_takes_only_what_fits():
     """One or nine rows, a product whose K is split, a q8 weight, slots not one per row, taps
     not of width 4, a b|a weight of another width: refused (the model then runs them apart)."""
