@@ -220,6 +220,88 @@ def check_gdn_recurrent_from_x(
     assert torch.equal(states[:2], spare)
 
 
+def check_gdn_recurrent_from_x_normed(
+    recurrent_module,
+    norm_module,
+    num_key_heads: int,
+    num_value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    hidden: int,
+    split,
+    dtype: torch.dtype,
+    device,
+) -> None:
+    """The one-token delta rule with the gates inside and the GDN output norm run by each
+    head's last column block (`recurrent_gated_delta_rule_from_x_normed`) against the two
+    launches it replaces, `recurrent_gated_delta_rule_from_x` then
+    `norm_module.gated_rms_norm` of its o: the norm's output, its attached integer-GEMV codes
+    (`split`, a `SplitRequest` or None) and the states bit for bit, three times over (the
+    arrival counters are left reset), z a strided view as the in projection gives it. Two
+    tokens are refused (None)."""
+    from ninfer.kernels.x_split import attached
+
+    q, k, v, _, _, states, _, query_start = gdn_inputs(
+        [1], num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0
+    )
+    slots = torch.tensor([2], dtype=torch.int32, device=device)
+    x = torch.randn(1, hidden, device=device).to(dtype)
+    ba_weight = (torch.randn(2 * num_value_heads, hidden, device=device) * 2 * hidden**-0.5).to(
+        dtype
+    )
+    A_log = torch.randn(num_value_heads, device=device) * 0.5
+    dt_bias = torch.randn(num_value_heads, device=device) * 2
+    width = num_value_heads * value_dim
+    z = torch.randn(1, 2 * width, device=device).to(dtype)[:, width:]
+    z = z.view(1, num_value_heads, value_dim)
+    norm_weight = (torch.randn(value_dim, device=device) * 0.5 + 1).to(dtype)
+    args = (q, k, v, x, ba_weight, A_log, dt_bias)
+    for _ in range(3):
+        start = states.clone()
+        normed = recurrent_module.recurrent_gated_delta_rule_from_x_normed(
+            *args, states, slots, query_start, z, norm_weight, 1e-6, split
+        )
+        apart_states = start.clone()
+        o = recurrent_module.recurrent_gated_delta_rule_from_x(
+            *args, apart_states, slots, query_start
+        )
+        apart = norm_module.gated_rms_norm(o, z, norm_weight, 1e-6, split)
+        assert normed.shape == apart.shape == v.shape and normed.dtype == v.dtype
+        assert torch.equal(normed, apart), f"norms {relative_error(normed, apart):.1e} apart"
+        assert torch.equal(states, apart_states)
+        if split is not None:
+            groups = width // split.group
+            one = attached(normed.reshape(1, width), split.bits, split.group, groups)
+            two = attached(apart.reshape(1, width), split.bits, split.group, groups)
+            assert one is not None and two is not None
+            assert torch.equal(one.codes, two.codes) and torch.equal(one.steps, two.steps)
+            if split.bits == 4:  # q8's corrections are never written
+                assert torch.equal(one.corr, two.corr)
+    two_tokens = gdn_inputs(
+        [2], num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0
+    )
+    q2, k2, v2 = two_tokens[:3]
+    x2 = torch.randn(2, hidden, device=device).to(dtype)
+    z2 = torch.randn(v2.shape, device=device).to(dtype)
+    refused = recurrent_module.recurrent_gated_delta_rule_from_x_normed(
+        q2,
+        k2,
+        v2,
+        x2,
+        ba_weight,
+        A_log,
+        dt_bias,
+        states,
+        slots,
+        two_tokens[7],
+        z2,
+        norm_weight,
+        1e-6,
+        split,
+    )
+    assert refused is None
+
+
 def check_causal_conv1d(
     module,
     query_lens: list[int],

@@ -250,6 +250,53 @@ def recurrent_gated_delta_rule_from_x(
     )
 
 
+def recurrent_gated_delta_rule_from_x_normed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    split: SplitRequest | None = None,
+) -> torch.Tensor:
+    """`recurrent_gated_delta_rule_from_x`, then the GDN output norm of its o with gate z
+    [T, Hv, dv] (`gated_rms_norm`, the codes `split` asks for attached): the norm's output. On
+    CUDA at one token one kernel runs both (each head's last column block the norm); else the
+    two apart."""
+    if _takes_b_a_product(x, ba_weight, q, A_log, dt_bias, states) and use_triton(z, norm_weight):
+        from ninfer.kernels import gdn_recurrent_triton
+
+        normed = gdn_recurrent_triton.recurrent_gated_delta_rule_from_x_normed(
+            q,
+            k,
+            v,
+            x,
+            ba_weight,
+            A_log,
+            dt_bias,
+            states,
+            state_slots,
+            query_start,
+            z,
+            norm_weight,
+            eps,
+            split,
+        )
+        if normed is not None:
+            return normed
+    out = recurrent_gated_delta_rule_from_x(
+        q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start
+    )
+    return gated_rms_norm(out, z, norm_weight, eps, split)
+
+
 def _takes_b_a_product(
     x: torch.Tensor | NormedRows, w_ba: torch.Tensor, *others: torch.Tensor
 ) -> bool:

@@ -24,9 +24,11 @@ import triton.language as tl
 
 from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
 from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
+from ninfer.kernels.groupwise_gemv_triton import split_block, tile_counters
 from ninfer.kernels.norm_fold import HeadNormedRows
 from ninfer.kernels.pdl_triton import await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
+from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 # Widest column block and warps per program. With the narrowing below, within 3 % of the
@@ -79,6 +81,12 @@ def _recurrent_kernel(
     stride_zh,
     norm_weight_ptr,
     squares_ptr,
+    normed_ptr,
+    counters_ptr,
+    norm_eps,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
     RATIO: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -87,6 +95,11 @@ def _recurrent_kernel(
     BLOCK_HIDDEN: tl.constexpr,
     STATE_FIRST: tl.constexpr,
     FOLD_NORM: tl.constexpr,
+    NORM_LAST: tl.constexpr,
+    ROUND_SCALED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -168,7 +181,80 @@ def _recurrent_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=col_mask,
         )
+    if NORM_LAST:  # one token: the head's last block to arrive runs its output norm
+        tl.debug_barrier()  # every thread's part of o is written before the arrival counts
+        counter = counters_ptr + value_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            _head_norm(
+                out_ptr + begin * stride_ot + value_head * stride_oh,
+                z_ptr + begin * stride_zt + value_head * stride_zh,
+                norm_weight_ptr,
+                normed_ptr,
+                begin,
+                value_head,
+                num_value_heads,
+                value_dim,
+                norm_eps,
+                xq_ptr,
+                corr_ptr,
+                xscale_ptr,
+                ROUND_SCALED,
+                BLOCK_D,
+                SPLIT_BITS,
+                SPLIT_GROUP,
+            )
+            tl.atomic_xchg(counter, 0)
     tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _head_norm(
+    o_ptr,
+    z_ptr,
+    weight_ptr,
+    normed_ptr,
+    token,
+    head,
+    heads,
+    dim,
+    eps,
+    xq_ptr,
+    corr_ptr,
+    xscale_ptr,
+    ROUND_SCALED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_BITS: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+):
+    """One head's GDN output norm of one token, as `gated_rms_norm_triton` computes it (the
+    same roundings), from o as the rule stored it (read through L2, where the head's other
+    blocks wrote theirs), written to row `token` of normed [tokens, heads * dim] with its
+    integer-GEMV codes (SPLIT_BITS 0: none)."""
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    o = tl.load(o_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    z = tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = normed_ptr.dtype.element_ty
+    inv_rms = tl.rsqrt(tl.sum(o * o, axis=0) / dim + eps)
+    normed = (o * inv_rms).to(dtype).to(tl.float32)
+    scaled = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * normed
+    if ROUND_SCALED:
+        scaled = scaled.to(dtype).to(tl.float32)
+    out = (scaled * (z * tl.sigmoid(z))).to(dtype)
+    tl.store(normed_ptr + token * heads * dim + head * dim + cols, out, mask=mask)
+    if SPLIT_BITS != 0:
+        split_block(
+            out,
+            heads * dim,
+            head,
+            token,
+            xq_ptr,
+            corr_ptr,
+            xscale_ptr,
+            BLOCK_D,
+            SPLIT_BITS,
+            SPLIT_GROUP,
+        )
 
 
 def recurrent_gated_delta_rule(
@@ -225,10 +311,12 @@ def recurrent_gated_delta_rule_from_x(
     states: torch.Tensor,
     state_slots: torch.Tensor,
     query_start: torch.Tensor,
+    norm_last: tuple | None = None,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule` with g and beta those `gdn_gates_triton.gdn_gates_from_x`
     computes from x [T, hidden] and ba_weight [2Hv, hidden] (b rows over a rows), of x's dtype
-    with unit stride along hidden. Meant for decode-sized T, as that kernel is."""
+    with unit stride along hidden. Meant for decode-sized T, as that kernel is. `norm_last`:
+    `recurrent_gated_delta_rule_from_x_normed`'s."""
     hidden = x.shape[1]
     if tuple(ba_weight.shape) != (2 * v.shape[1], hidden):
         raise ValueError(
@@ -250,7 +338,56 @@ def recurrent_gated_delta_rule_from_x(
         ba_weight=ba_weight,
         A_log=A_log,
         dt_bias=dt_bias,
+        norm_last=norm_last,
     )
+
+
+def recurrent_gated_delta_rule_from_x_normed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    split: SplitRequest | None = None,
+) -> torch.Tensor | None:
+    """`recurrent_gated_delta_rule_from_x` at one token, followed by the GDN output norm in the
+    same kernel: each head's column block that arrives last at the head's counter runs the
+    norm of the head's o (`_head_norm`), so the norm's launch goes. Returns the norm's output
+    [1, Hv, dv] with the codes `split` asks for attached, bit for bit what
+    `gated_rms_norm_triton.gated_rms_norm` gives for the rule's o; None where it does not take
+    the step (more than one token, z [T, Hv, dv] without unit stride along dv, a weight not
+    [dv], or no arrival counters at hand, as inside a graph capture that would allocate
+    them): the caller then runs the rule and the norm apart."""
+    heads, dim = v.shape[1], v.shape[2]
+    counters = tile_counters(v.device, heads)
+    if (
+        v.shape[0] != 1
+        or state_slots.shape[0] != 1
+        or z.shape != v.shape
+        or z.stride(2) != 1
+        or norm_weight.shape != (dim,)
+        or counters is None
+    ):
+        return None
+    normed = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    buffers = None
+    if next_power_of_2(dim) == dim:
+        buffers = producer_buffers(split, 1, heads * dim, v.device, dim)
+    norm_last = (z, norm_weight.contiguous(), eps, normed, counters, split, buffers)
+    recurrent_gated_delta_rule_from_x(
+        q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start, norm_last
+    )
+    if buffers is not None:
+        attach(normed, split, buffers)
+    return normed
 
 
 def _launch(
@@ -267,10 +404,12 @@ def _launch(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     fold: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    norm_last: tuple | None = None,
 ) -> torch.Tensor | HeadNormedRows:
     """The kernel with the gates given (g, beta) or computed from x (x, ba_weight, A_log,
     dt_bias); the other set None. With `fold` (z, the norm's weight, eps) the output norm is
-    folded in (`recurrent_gated_delta_rule_normed`)."""
+    folded in (`recurrent_gated_delta_rule_normed`); with `norm_last` each head's last block
+    runs it (`recurrent_gated_delta_rule_from_x_normed`)."""
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     key_dim = q.shape[2]
     if states.dtype not in STATE_DTYPES or states.stride(3) != 1 or states.stride(2) != value_dim:
@@ -291,6 +430,12 @@ def _launch(
         if value_dim % block_v:
             raise ValueError(f"column blocks of {block_v} do not tile a head of {value_dim}")
         squares = torch.empty(v.shape[0], num_value_heads, blocks, device=v.device)
+    normed = counters = out
+    norm_eps, round_scaled, split, buffers = 0.0, False, None, None
+    if norm_last is not None:
+        z, norm_weight, norm_eps, normed, counters, split, buffers = norm_last
+        round_scaled = torch.promote_types(norm_weight.dtype, v.dtype) == v.dtype
+    split_args, split_constants = split_launch_args(split, buffers, out, value_dim)
     if num_seqs == 0 or v.shape[0] == 0:
         return out if fold is None else _head_normed(out, squares, eps)
     from_x = x is not None
@@ -332,6 +477,10 @@ def _launch(
         z.stride(1),
         norm_weight,
         squares,
+        normed,
+        counters,
+        norm_eps,
+        *split_args,
         RATIO=num_value_heads // q.shape[1],
         BLOCK_K=next_power_of_2(key_dim),
         BLOCK_V=block_v,
@@ -340,6 +489,10 @@ def _launch(
         BLOCK_HIDDEN=HIDDEN_BLOCK,
         STATE_FIRST=num_seqs <= STATE_FIRST_MAX_SEQS,
         FOLD_NORM=fold is not None,
+        NORM_LAST=norm_last is not None,
+        ROUND_SCALED=round_scaled,
+        BLOCK_D=next_power_of_2(value_dim),
+        **split_constants,
         num_warps=RECURRENT_WARPS,
         **pdl_options(q.device),
     )

@@ -124,8 +124,9 @@ INT_STAGES = 3
 INT_WEIGHTS_BEFORE_WAIT = True
 # Split-K arrival counters per device (a split's last program finds its tile's counter at
 # splits - 1 and resets it): allocated once, never moved, because graphs keep the address.
-# Products that split K and the fused router (`moe_router_triton`, a counter per token) share
-# them, so they must not run at once on one device (the engine runs its forward on one stream).
+# Products that split K, the fused router (`moe_router_triton`, a counter per token) and the GDN
+# recurrent kernel running the output norm (a counter per head) share them, so they must not
+# run at once on one device (the engine runs its forward on one stream).
 TILE_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 # x ~ s * (FINE * coarse + fine), both codes in [-FINE_MAX, FINE_MAX].

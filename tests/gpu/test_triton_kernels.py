@@ -13,6 +13,7 @@ from kernel_cases import (
     check_gated_rms_norm,
     check_gdn_recurrent,
     check_gdn_recurrent_from_x,
+    check_gdn_recurrent_from_x_normed,
     check_groupwise_dequant,
     check_groupwise_linear,
     check_paged_attention,
@@ -142,6 +143,31 @@ def test_gdn_recurrent_with_the_gates_inside(query_lens, num_value_heads, hidden
         BF16,
         "cuda",
         1e-2,
+    )
+
+
+@pytest.mark.parametrize("split", [None, (4, 64), (8, 32)], ids=["no-codes", "q4", "q8"])
+@pytest.mark.parametrize(
+    ("num_value_heads", "hidden"), [(48, 5120), (32, 2048)], ids=["27b", "35b-a3b"]
+)
+def test_gdn_recurrent_with_the_output_norm_inside(num_value_heads, hidden, split):
+    """bf16 at the model shapes, one token: each head's last column block to arrive runs the
+    output norm, bit for bit the norm kernel after the rule (output, codes, states), three
+    calls over the same arrival counters."""
+    from ninfer.kernels import gated_rms_norm_triton, gdn_recurrent_triton
+    from ninfer.kernels.x_split import SplitRequest
+
+    check_gdn_recurrent_from_x_normed(
+        gdn_recurrent_triton,
+        gated_rms_norm_triton,
+        16,
+        num_value_heads,
+        128,
+        128,
+        hidden,
+        SplitRequest(*split, 1) if split else None,
+        BF16,
+        "cuda",
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import check_gdn_recurrent_from_x
+from kernel_cases import check_gdn_recurrent_from_x, check_gdn_recurrent_from_x_normed
 from triton_interpreter import load_kernel_module, require_interpreter
 
 require_interpreter()
@@ -44,4 +44,33 @@ def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
         dtype,
         "cpu",
         tol,
+    )
+
+
+@pytest.mark.parametrize("value_heads", [2, 4], ids=["4-blocks-a-head", "2-blocks-a-head"])
+@pytest.mark.parametrize("split", [None, (4, 64), (8, 32)], ids=["no-codes", "q4", "q8"])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
+)
+def test_output_norm_in_the_rule_gives_the_two_launches_bit_for_bit(
+    interpreted, value_heads, split, dtype
+):
+    """At one token each head's last column block to arrive runs the output norm
+    (`recurrent_gated_delta_rule_from_x_normed`): the norm kernel's output and codes, the
+    same states, for one head's columns split over four or two programs (the interpreter's
+    eight SMs narrow the blocks to 16 or 32 of 64 columns)."""
+    from ninfer.kernels.x_split import SplitRequest
+
+    request = SplitRequest(*split, 1) if split else None
+    check_gdn_recurrent_from_x_normed(
+        interpreted("gdn_recurrent_triton"),
+        interpreted("gated_rms_norm_triton"),
+        1,
+        value_heads,
+        16,
+        64,
+        300,
+        request,
+        dtype,
+        "cpu",
     )

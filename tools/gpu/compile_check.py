@@ -353,6 +353,10 @@ def cases():
         ("gdn recurrent with the gates", lambda: kc.check_gdn_recurrent_from_x(
             gdn_recurrent_triton, gdn_gates_triton, [1], 16, 48, 128, 128, 5120, BF16, cpu,
             1e-2)),
+        ("gdn recurrent with the gates and the output norm", lambda:
+            kc.check_gdn_recurrent_from_x_normed(
+                gdn_recurrent_triton, gated_rms_norm_triton, 16, 48, 128, 128, 5120,
+                split, BF16, cpu)),
         ("gdn gates", lambda: kc.check_gdn_gates(gdn_gates_triton, 8, 48, BF16, cpu, 2e-5, 1)),
         ("gdn gates from x", lambda: kc.check_gdn_gates_from_x(
             gdn_gates_triton, 8, 48, 5120, BF16, cpu, 2e-5, 1)),

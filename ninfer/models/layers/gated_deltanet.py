@@ -21,6 +21,7 @@ from ninfer.kernels.dispatch import (
     groupwise_linear_conv_and_gates,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_from_x,
+    recurrent_gated_delta_rule_from_x_normed,
     recurrent_gated_delta_rule_normed,
 )
 from ninfer.kernels.norm_fold import NormAfter, NormedRows
@@ -46,6 +47,10 @@ GATES_IN_RULE_MAX_TOKENS = 1
 # in its epilogue and the gates in programs of its own grid (`groupwise_linear_conv_and_gates`),
 # where the conv's kernel ran them after it; False keeps that kernel (for timing the two).
 CONV_GATES_IN_PROJECTION = True
+# Where the recurrent kernel computes the gates (one token), it also runs the output norm, in
+# each head's last column block to arrive (`recurrent_gated_delta_rule_from_x_normed`): one
+# launch fewer a layer. False runs the norm's own kernel after it (for timing the two).
+NORM_IN_RULE = True
 
 
 class GatedDeltaNet(nn.Module):
@@ -203,6 +208,26 @@ class GatedDeltaNet(nn.Module):
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
 
         states = ctx.cache.gdn_state[self.cache_index]
+        if in_rule and NORM_IN_RULE:
+            z = z.view(tokens, self.num_value_heads, self.value_head_dim)
+            # `normed` holds the norm's output (and its x split) alive, as below
+            normed = recurrent_gated_delta_rule_from_x_normed(
+                query,
+                key,
+                value,
+                x,
+                ba_weight,
+                self.A_log,
+                self.dt_bias,
+                states,
+                ctx.state_slots,
+                ctx.query_start,
+                z,
+                self.norm.weight,
+                self.norm.eps,
+                self.norm.split_request,
+            )
+            return linear_then_norm(self.out_proj, normed.reshape(tokens, self.value_dim), after)
         if in_rule:
             out = recurrent_gated_delta_rule_from_x(
                 query,
