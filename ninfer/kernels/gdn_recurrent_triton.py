@@ -40,6 +40,12 @@ MAX_BLOCK_V = 64
 # 5.43 -> 5.39 ms, the 35B-A3B one 1.86 -> 1.85 ms; at eight, 9.30 -> 9.33-9.34 ms, so not
 # there (docs/performance.md, Measurement 15).
 STATE_FIRST_MAX_SEQS = 1
+# The output norm runs in the recurrent kernel (`recurrent_gated_delta_rule_from_x_normed`) only
+# where a head is split into at most this many column blocks. On the GPU machine at one token:
+# the 27B step (four blocks of 32 columns a head) 5.09-5.10 -> 5.07-5.08 ms; the 35B-A3B step
+# (eight blocks of 16) 1.66 -> 1.69 ms, for a cause not found (docs/performance.md,
+# Measurement 30).
+NORM_LAST_MAX_BLOCKS = 4
 RECURRENT_WARPS = 4
 
 
@@ -363,13 +369,16 @@ def recurrent_gated_delta_rule_from_x_normed(
     norm of the head's o (`_head_norm`), so the norm's launch goes. Returns the norm's output
     [1, Hv, dv] with the codes `split` asks for attached, bit for bit what
     `gated_rms_norm_triton.gated_rms_norm` gives for the rule's o; None where it does not take
-    the step (more than one token, z [T, Hv, dv] without unit stride along dv, a weight not
-    [dv], or no arrival counters at hand, as inside a graph capture that would allocate
-    them): the caller then runs the rule and the norm apart."""
+    the step (a head in more than `NORM_LAST_MAX_BLOCKS` column blocks, more than one token,
+    z [T, Hv, dv] without unit stride along dv, a weight not [dv], or no arrival counters at
+    hand, as inside a graph capture that would allocate them): the caller then runs the rule
+    and the norm apart."""
     heads, dim = v.shape[1], v.shape[2]
     counters = tile_counters(v.device, heads)
+    blocks = triton.cdiv(dim, _block_v(state_slots.shape[0], heads, dim, v.device))
     if (
-        v.shape[0] != 1
+        blocks > NORM_LAST_MAX_BLOCKS
+        or v.shape[0] != 1
         or state_slots.shape[0] != 1
         or z.shape != v.shape
         or z.stride(2) != 1
@@ -419,10 +428,7 @@ def _launch(
             raise ValueError("q, k, v need unit stride along the head dimension")
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_seqs = state_slots.shape[0]
-    # Narrow column blocks when few sequences, so that the grid still covers the SMs.
-    block_v = min(next_power_of_2(value_dim), MAX_BLOCK_V)
-    while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(v.device):
-        block_v //= 2
+    block_v = _block_v(num_seqs, num_value_heads, value_dim, v.device)
     blocks = triton.cdiv(value_dim, block_v)
     z = norm_weight = squares = out  # unused unless folding
     if fold is not None:
@@ -497,6 +503,15 @@ def _launch(
         **pdl_options(q.device),
     )
     return out if fold is None else _head_normed(out, squares, eps)
+
+
+def _block_v(num_seqs: int, num_value_heads: int, value_dim: int, device: torch.device) -> int:
+    """A program's columns of a head: narrower when few sequences, so that the grid still
+    covers the SMs."""
+    block_v = min(next_power_of_2(value_dim), MAX_BLOCK_V)
+    while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(device):
+        block_v //= 2
+    return block_v
 
 
 def _head_normed(out: torch.Tensor, squares: torch.Tensor, eps: float) -> HeadNormedRows:

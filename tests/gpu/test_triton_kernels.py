@@ -150,12 +150,15 @@ def test_gdn_recurrent_with_the_gates_inside(query_lens, num_value_heads, hidden
 @pytest.mark.parametrize(
     ("num_value_heads", "hidden"), [(48, 5120), (32, 2048)], ids=["27b", "35b-a3b"]
 )
-def test_gdn_recurrent_with_the_output_norm_inside(num_value_heads, hidden, split):
+def test_gdn_recurrent_with_the_output_norm_inside(monkeypatch, num_value_heads, hidden, split):
     """bf16 at the model shapes, one token: each head's last column block to arrive runs the
     output norm, bit for bit the norm kernel after the rule (output, codes, states), three
-    calls over the same arrival counters."""
+    calls over the same arrival counters; the 35B-A3B's eight blocks a head too, which the
+    model leaves to the norm's kernel (`NORM_LAST_MAX_BLOCKS`)."""
     from ninfer.kernels import gated_rms_norm_triton, gdn_recurrent_triton
     from ninfer.kernels.x_split import SplitRequest
+
+    monkeypatch.setattr(gdn_recurrent_triton, "NORM_LAST_MAX_BLOCKS", 8)
 
     check_gdn_recurrent_from_x_normed(
         gdn_recurrent_triton,

@@ -74,3 +74,26 @@ def test_output_norm_in_the_rule_gives_the_two_launches_bit_for_bit(
         dtype,
         "cpu",
     )
+
+
+def test_output_norm_left_to_its_kernel_past_the_block_limit(interpreted):
+    """A head in more column blocks than `NORM_LAST_MAX_BLOCKS` (four of 16 columns here, the
+    limit two): the kernel does not take the step (None), and the dispatch's form gives the
+    rule and the norm apart."""
+    from ninfer.kernels import dispatch, gdn_recurrent_triton
+
+    module = interpreted("gdn_recurrent_triton")
+    module.NORM_LAST_MAX_BLOCKS = 2
+    assert gdn_recurrent_triton.NORM_LAST_MAX_BLOCKS == 4
+    q, k, v = (torch.randn(1, heads, 64) for heads in (1, 1, 2))
+    x, ba = torch.randn(1, 300), torch.randn(4, 300) * 0.1
+    A_log, dt_bias = torch.randn(2), torch.randn(2)
+    states = torch.randn(3, 2, 64, 64)
+    slots, starts = torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    z, weight = torch.randn(1, 2, 64), torch.randn(64)
+    args = (q, k, v, x, ba, A_log, dt_bias, states, slots, starts, z, weight, 1e-6)
+    assert module.recurrent_gated_delta_rule_from_x_normed(*args) is None
+    module.NORM_LAST_MAX_BLOCKS = 4
+    assert module.recurrent_gated_delta_rule_from_x_normed(*args) is not None
+    normed = dispatch.recurrent_gated_delta_rule_from_x_normed(*args)  # on the CPU: apart
+    assert normed.shape == v.shape
