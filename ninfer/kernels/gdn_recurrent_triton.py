@@ -14,6 +14,12 @@ calls), so a decode step launches no gates kernel before the conv. Each launch c
 microseconds of a latency-bound step; the dot products are repeated per column block, but
 two weight rows per head are little to read. Reference:
 `gdn_recurrent.recurrent_gated_delta_rule_from_x` (same signature).
+
+`recurrent_gated_delta_rule_from_x_normed` runs, at one token, the GDN output norm in the same
+kernel: each head's column block that arrives last at the head's counter reads the head's o
+back and writes the norm's output and the out projection's integer-GEMV codes, so the norm's
+kernel is not launched. Reference: `recurrent_gated_delta_rule_from_x`, then
+`gated_rms_norm_triton.gated_rms_norm` (bit for bit).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ chunked for prefill, recurrent for decode),
 gated RMSNorm with silu(z), out_proj. After loading, `fuse_projections` runs in_proj_qkv with
 in_proj_z and in_proj_b with in_proj_a as one linear each (the names load the weights); on
 the GPU a one-token decode step then computes the b|a product and the gates inside the
-recurrent kernel (one launch for product, gates and rule), and a small prefill or a decode
-step of several sequences inside the conv's kernel (one launch for conv, product and
-gates)."""
+recurrent kernel (one launch for product, gates and rule, and for the output norm too where a
+head is in at most four column blocks), and a small prefill or a decode step of several
+sequences inside the conv's kernel (one launch for conv, product and gates)."""
 
 import torch
 from torch import nn
