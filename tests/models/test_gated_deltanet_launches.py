@@ -1,8 +1,8 @@
 """What a GDN layer launches per forward, on the CUDA path traced on the meta device (non-view
 aten ops, each kernel entry point one launch; `LaunchCount` of test_moe_block.py): a one-token
-decode step computes the stacked dense b|a product and the gates inside the recurrent kernel,
-other batches up to GATES_FROM_X_MAX_TOKENS tokens inside the conv's kernel, larger ones keep
-the product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and a
+decode step computes the stacked dense b|a product, the gates and the output norm inside the
+recurrent kernel, other batches up to GATES_FROM_X_MAX_TOKENS tokens the product and the gates
+inside the conv's kernel, larger ones keep the product and the gates kernel. cuBLAS runs the b|a product, 2H rows, as a split-K GEMM and a
 reduce at batch 1 (one aten mm, two launches), so at decode product, gates and delta rule take
 one launch where the unfused layer took four and the gates kernel with the product inside
 two."""
@@ -70,6 +70,7 @@ def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]
         "causal_conv1d": like_first,
         "recurrent_gated_delta_rule": rule_output,
         "recurrent_gated_delta_rule_from_x": rule_from_x,
+        "recurrent_gated_delta_rule_from_x_normed": rule_from_x,
         "chunk_gated_delta_rule": rule_output,
     }
     for name, compute in kernels.items():
@@ -86,8 +87,14 @@ def traced_launches(monkeypatch, tokens: int, is_decode: bool) -> dict[str, int]
 def test_one_token_decode_step_computes_b_a_and_the_gates_inside_the_recurrent_kernel(
     monkeypatch,
 ):
-    """Two products (q|k|v|z in, out), conv, delta rule with b|a and gates, norm: five."""
+    """Two products (q|k|v|z in, out), conv, delta rule with b|a, gates and the output norm:
+    four (the kernel leaves the norm to its own where a head has too many column blocks, in
+    the dispatch); with NORM_IN_RULE off, the norm's own launch: five."""
     assert GATES_IN_RULE_MAX_TOKENS == 1
+    assert traced_launches(monkeypatch, 1, is_decode=True) == {
+        "mm": 2, "causal_conv1d": 1, "recurrent_gated_delta_rule_from_x_normed": 1,
+    }  # fmt: skip
+    monkeypatch.setattr(gated_deltanet, "NORM_IN_RULE", False)
     assert traced_launches(monkeypatch, 1, is_decode=True) == {
         "mm": 2, "causal_conv1d": 1, "recurrent_gated_delta_rule_from_x": 1, "gated_rms_norm": 1,
     }  # fmt: skip
@@ -105,7 +112,7 @@ def test_decode_step_of_several_sequences_computes_the_gates_in_the_conv_kernel(
         "gated_rms_norm": 1,
     }  # fmt: skip
     monkeypatch.setattr(gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", GATES_FROM_X_MAX_TOKENS)
-    assert "recurrent_gated_delta_rule_from_x" in traced_launches(monkeypatch, tokens, True)
+    assert "recurrent_gated_delta_rule_from_x_normed" in traced_launches(monkeypatch, tokens, True)
 
 
 def test_small_prefill_computes_b_and_a_inside_the_conv_kernel(monkeypatch):
@@ -198,6 +205,11 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
             count.kernel("rule", rule_from_x),
         )
         monkeypatch.setattr(
+            gated_deltanet,
+            "recurrent_gated_delta_rule_from_x_normed",
+            count.kernel("rule_norm", rule_from_x),
+        )
+        monkeypatch.setattr(
             gated_deltanet, "recurrent_gated_delta_rule", count.kernel("rule", rule_from_x)
         )
         monkeypatch.setattr(gated_deltanet, "gdn_gates_from_x", count.kernel("gates", gates))
@@ -217,7 +229,7 @@ def test_encoded_decode_step_runs_the_conv_inside_the_in_projection(monkeypatch)
     def conv_gates(mixed, taps, windows, slots, query_start, x, *args):
         return (torch.empty_like(mixed), *gates(x))
 
-    assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(1) == {"linear_conv": 1, "mm": 1, "rule_norm": 1}
     assert encoded(2) == {"conv_gates": 1, "gemv": 1, "mm": 1, "rule": 1, "norm": 1}
     assert encoded(2, one_kernel=True) == {"linear_conv_gates": 1, "mm": 1, "rule": 1, "norm": 1}
-    assert encoded(1, one_kernel=True) == {"linear_conv": 1, "mm": 1, "rule": 1, "norm": 1}
+    assert encoded(1, one_kernel=True) == {"linear_conv": 1, "mm": 1, "rule_norm": 1}

@@ -208,39 +208,16 @@ class GatedDeltaNet(nn.Module):
         value = value.view(tokens, self.num_value_heads, self.value_head_dim)
 
         states = ctx.cache.gdn_state[self.cache_index]
+        rule_from_x = (query, key, value, x, ba_weight, self.A_log, self.dt_bias, states)
+        rule_from_x += (ctx.state_slots, ctx.query_start)
         if in_rule and NORM_IN_RULE:
             z = z.view(tokens, self.num_value_heads, self.value_head_dim)
+            norm = (z, self.norm.weight, self.norm.eps, self.norm.split_request)
             # `normed` holds the norm's output (and its x split) alive, as below
-            normed = recurrent_gated_delta_rule_from_x_normed(
-                query,
-                key,
-                value,
-                x,
-                ba_weight,
-                self.A_log,
-                self.dt_bias,
-                states,
-                ctx.state_slots,
-                ctx.query_start,
-                z,
-                self.norm.weight,
-                self.norm.eps,
-                self.norm.split_request,
-            )
+            normed = recurrent_gated_delta_rule_from_x_normed(*rule_from_x, *norm)
             return linear_then_norm(self.out_proj, normed.reshape(tokens, self.value_dim), after)
         if in_rule:
-            out = recurrent_gated_delta_rule_from_x(
-                query,
-                key,
-                value,
-                x,
-                ba_weight,
-                self.A_log,
-                self.dt_bias,
-                states,
-                ctx.state_slots,
-                ctx.query_start,
-            )
+            out = recurrent_gated_delta_rule_from_x(*rule_from_x)
         elif after is not None and ctx.is_decode:
             # folding the norms: the output norm in the recurrent kernel and out_proj too
             # (`norm_fold.HeadNormedRows`), one launch fewer
