@@ -268,8 +268,9 @@ def recurrent_gated_delta_rule_from_x_normed(
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule_from_x`, then the GDN output norm of its o with gate z
     [T, Hv, dv] (`gated_rms_norm`, the codes `split` asks for attached): the norm's output. On
-    CUDA at one token one kernel runs both (each head's last column block the norm); else the
-    two apart."""
+    CUDA at one token, where a head is in at most `gdn_recurrent_triton.NORM_LAST_MAX_BLOCKS`
+    column blocks, one kernel runs both (each head's last column block the norm); else the two
+    apart."""
     if _takes_b_a_product(x, ba_weight, q, A_log, dt_bias, states) and use_triton(z, norm_weight):
         from ninfer.kernels import gdn_recurrent_triton
 
