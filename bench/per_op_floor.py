@@ -1,0 +1,434 @@
+"""The floor of a one-kernel-per-operation decode step on this GPU: the C=1 step of a bench
+shape replayed as a CUDA graph of kernels that only read, in the step's order, the bytes each
+of its kernels must move, and as many trivial dependent kernels as the step has besides
+(docs/performance.md, "The floor of one kernel per operation"). GPU only.
+
+    python bench/per_op_floor.py [--shape qwen3_5-27b] [--weights q4]
+    python bench/per_op_floor.py --pattern
+
+`--pattern` asks where the 27B one-row q4 products lose to their read floor: each product
+timed as shipped (x split beforehand, so one kernel), then its loads alone in the shipped
+tiles (the weight's codes and scales; then also x's four code arrays and steps), xored
+instead of multiplied, then the weight's loads alone at other tiles, beside the read floor of
+the same bytes.
+
+Steps:
+1. The shape's C=1 decode step is profiled (`ninfer bench --profile`, 16 steps, graphs off)
+   for the number of kernels a step launches.
+2. The step's reads come from the speed-of-light model (`ninfer.bench.traffic`), one read
+   kernel per launch that moves weights or state: a GDN layer's q|k|v|z product, its
+   recurrent kernel (the state read and written, the b|a rows), its out product; an attention
+   layer's q|gate|k|v product, its K/V read, its o product; an MLP's gate|up and down
+   products, or a MoE block's router, experts' gate|up and experts' down (the routed experts
+   plus the shared one); the head.
+3. The read kernel: a program reads its contiguous share in blocks of 16 bytes a thread, its
+   first block before the PDL wait and the rest after it, as a product's program reads its
+   codes, and stores one word. Each distinct size takes the fastest of a sweep of warps, block
+   and programs per SM, timed alone with its bytes rotated beyond the L2.
+4. Every other launch of the step (norms, SwiGLU, conv, attention's split and merge, rotary,
+   embedding, argmax, ...) is one trivial dependent kernel: it waits for the kernel before it
+   and copies a 5120-value row (docs/performance.md, Measurement 21: 0.7-0.8 us a launch).
+5. The chain is timed as one CUDA graph (median replay) with every kernel under PDL.
+
+What it prints: each read size alone (best setting, us, share of copy) beside the shipped
+product's time where one exists; then the chain's time, the step bytes over it as a share of
+the copy rate measured in the same run, and the step time the target's share would need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench_cudagraph
+
+from ninfer.bench.cases import make_cases
+from ninfer.bench.ceilings import copy_bandwidth
+from ninfer.bench.profile import category
+from ninfer.bench.run import BenchOptions, run_bench
+from ninfer.bench.shapes import SHAPES
+from ninfer.bench.traffic import Traffic, expected_distinct_experts, profile_formats
+from ninfer.kernels import groupwise_gemv_triton
+from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+from ninfer.kernels.triton_support import num_sms
+from ninfer.kernels.x_split import SplitRequest, attach
+from ninfer.quant import get_format
+
+DEVICE = "cuda"
+CONTEXT = 128  # tokens cached before the step, as a short `tg` case
+ROTATE_BYTES = 512 << 20  # a size's copies together, so that a timed read misses the L2
+# The sweep: warps, 16-byte loads a thread per block, programs per SM.
+WARPS, LOADS, PROGRAMS_PER_SM = (4, 8), (1, 2, 4), (1, 2, 4, 8)
+TRIVIAL_ROW = 5120
+TRIVIAL_PROGRAMS = 40
+
+
+@triton.jit
+def _read_kernel(words_ptr, out_ptr, steps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program p reads words [p * steps * BLOCK, (p + 1) * steps * BLOCK): the first block
+    before the wait (nothing writes them), the rest after; stores their xor."""
+    base = tl.program_id(0).to(tl.int64) * steps * BLOCK
+    offsets = tl.arange(0, BLOCK)
+    acc = tl.load(words_ptr + base + offsets)
+    await_inputs(PDL)
+    for step in tl.range(1, steps):
+        acc ^= tl.load(words_ptr + base + step * BLOCK + offsets)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+@triton.jit
+def _trivial_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask) + 1, mask=mask)
+
+
+@triton.jit
+def _pattern_kernel(
+    words_ptr,
+    scales_ptr,
+    x_ptr,
+    xscale_ptr,
+    out_ptr,
+    num_words,
+    num_groups,
+    WITH_X: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The one-row integer GEMV's loads without its arithmetic: program p reads rows
+    [p * BLOCK_N, (p + 1) * BLOCK_N) of the codes, BLOCK_WORDS words a row a step, with their
+    scales (and, WITH_X, x's coarse and fine words of the even and odd values and its steps),
+    the first step before the wait, and stores the xor of what it read."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    word_rows = words_ptr + rows[:, None].to(tl.int64) * num_words
+    scale_rows = scales_ptr + rows[:, None].to(tl.int64) * num_groups
+    per_group: tl.constexpr = 8  # q4_g64: eight code words a group
+    cols = tl.arange(0, BLOCK_WORDS)
+    groups = tl.arange(0, BLOCK_WORDS // per_group)
+    acc = tl.load(word_rows + cols[None, :])
+    acc_s = tl.load(scale_rows + groups[None, :]).to(tl.int16, bitcast=True).to(tl.int32)
+    await_inputs(PDL)
+    for start in tl.range(BLOCK_WORDS, num_words, BLOCK_WORDS, num_stages=STAGES):
+        acc ^= tl.load(word_rows + start + cols[None, :])
+        g = start // per_group + groups
+        acc_s ^= tl.load(scale_rows + g[None, :]).to(tl.int16, bitcast=True).to(tl.int32)
+        if WITH_X:
+            x = tl.load(x_ptr + start + cols)
+            x ^= tl.load(x_ptr + num_words + start + cols)
+            x ^= tl.load(x_ptr + 2 * num_words + start + cols)
+            x ^= tl.load(x_ptr + 3 * num_words + start + cols)
+            acc ^= x[None, :]
+            acc_s ^= tl.load(xscale_ptr + g).to(tl.int32, bitcast=True)[None, :]
+    total = tl.xor_sum(acc, 1) ^ tl.xor_sum(acc_s, 1)
+    tl.store(out_ptr + rows, total)
+
+
+# The 27B one-row q4 products: (name, rows, K).
+PATTERN_PRODUCTS = (
+    ("gdn q|k|v|z", 16384, 5120),
+    ("attention q|gate|k|v", 14336, 5120),
+    ("out", 5120, 6144),
+    ("mlp gate|up", 34816, 5120),
+    ("mlp down", 5120, 17408),
+)
+# Weight-only tiles tried besides the shipped one: (rows, words a row a step, warps).
+PATTERN_TILES = tuple(
+    (rows, words, warps)
+    for rows in (4, 8, 16, 32, 64)
+    for words in (64, 128, 256)
+    for warps in (2, 4, 8)
+    if rows * words <= 8192
+)
+
+
+def gemv_pattern(sms: int, options, copy: float) -> None:
+    """Each 27B product as shipped, its loads alone in the shipped tiles, the weight's loads
+    at other tiles, and the read floor of its bytes."""
+    print(f"{'product':22} {'form':30} {'rows':>4} {'words':>5} {'warps':>5} {'us':>7} {'copy':>6}")
+    for name, n, k in PATTERN_PRODUCTS:
+        _pattern_product(name, n, k, sms, options, copy)
+        torch.cuda.empty_cache()
+
+
+def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) -> None:
+    q4 = get_format("q4_g64_fp16")
+    nbytes = q4.encoded_nbytes((n, k))
+    sets = max(2, math.ceil(ROTATE_BYTES / nbytes))
+    weights = [q4.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(sets)]
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    split = groupwise_gemv_triton.split_x(x, 4, 64, k)
+    attach(x, SplitRequest(4, 64, 1), split)
+    num_words, num_groups = k // 8, k // 64
+    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
+
+    def report(form, rows, words, warps, us):
+        share = nbytes / (us * 1e-6) / copy
+        print(f"{name:22} {form:30} {rows:4d} {words:5d} {warps:5d} {us:7.2f} {share:6.1%}")
+
+    def pattern(rows, words, warps, with_x):
+        state = {"i": 0}
+
+        def run():
+            w = weights[state["i"] % sets]
+            state["i"] += 1
+            _pattern_kernel[(triton.cdiv(n, rows),)](
+                w.planes["codes"].view(torch.int32),
+                w.planes["scales"],
+                split[0],
+                split[2],
+                out,
+                num_words,
+                num_groups,
+                WITH_X=with_x,
+                BLOCK_N=rows,
+                BLOCK_WORDS=words,
+                STAGES=groupwise_gemv_triton.INT_STAGES,
+                num_warps=warps,
+                **options,
+            )
+
+        return median_us(run)
+
+    state = {"i": 0}
+
+    def shipped():
+        groupwise_gemv_triton.integer_linear(x, weights[state["i"] % sets])
+        state["i"] += 1
+
+    rows, words, warps = groupwise_gemv_triton._int_config(n, num_words, 1, x.device)
+    report("shipped GEMV", rows, words, warps, median_us(shipped))
+    report("loads: codes, scales", rows, words, warps, pattern(rows, words, warps, False))
+    report("loads: codes, scales, x", rows, words, warps, pattern(rows, words, warps, True))
+    timed = sorted(
+        (pattern(*tile, False), tile)
+        for tile in PATTERN_TILES
+        if num_words % tile[1] == 0 and n % tile[0] == 0
+    )
+    for us, tile in timed[:3]:
+        report("loads: codes, scales (best)", *tile, us)
+    setting, us = best_read(nbytes, sms, options)
+    report("read floor", 0, setting.block, setting.warps, us)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSetting:
+    warps: int
+    block: int  # int32 words a program reads a step
+    steps: int
+    programs: int
+
+    def words(self) -> int:
+        return self.block * self.steps * self.programs
+
+
+def settings_for(nbytes: int, sms: int) -> list[ReadSetting]:
+    words = math.ceil(nbytes / 4)
+    out = []
+    for warps in WARPS:
+        for loads in LOADS:
+            block = warps * 32 * 4 * loads
+            for per_sm in PROGRAMS_PER_SM:
+                steps = max(1, math.ceil(words / (block * sms * per_sm)))
+                programs = math.ceil(words / (block * steps))
+                out.append(ReadSetting(warps, block, steps, programs))
+    return out
+
+
+def launch_read(words: torch.Tensor, out: torch.Tensor, setting: ReadSetting, options) -> None:
+    _read_kernel[(setting.programs,)](
+        words, out, setting.steps, BLOCK=setting.block, num_warps=setting.warps, **options
+    )
+
+
+def median_us(fn) -> float:
+    return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+
+def best_read(nbytes: int, sms: int, options) -> tuple[ReadSetting, float]:
+    """The fastest setting of the read kernel for `nbytes`, timed alone over copies whose sum
+    exceeds the L2."""
+    candidates = settings_for(nbytes, sms)
+    span = max(s.words() for s in candidates)
+    copies = max(2, math.ceil(ROTATE_BYTES / (4 * span)))
+    buffer = torch.zeros(copies * span, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(max(s.programs for s in candidates), dtype=torch.int32, device=DEVICE)
+    best = None
+    for setting in candidates:
+        views = [buffer[i * span : i * span + setting.words()] for i in range(copies)]
+        state = {"i": 0}
+
+        def run(setting=setting, views=views, state=state):
+            launch_read(views[state["i"] % copies], out, setting, options)
+            state["i"] += 1
+
+        us = median_us(run)
+        if best is None or us < best[1]:
+            best = (setting, us)
+    del buffer
+    return best
+
+
+def step_reads(traffic: Traffic) -> list[tuple[str, int]]:
+    """(label, bytes) of each launch of a C=1 step that moves weights or state, in order."""
+    c = traffic.config
+    by_name = {w.name: w for w in traffic.weights}
+
+    def size(*names: str) -> int:
+        return sum(by_name[n].nbytes for n in names if n in by_name)
+
+    routed = expected_distinct_experts(c.num_experts, c.num_experts_per_tok, 1)
+    state = traffic.state_bytes_per_sequence() // max(1, traffic.num_gdn_layers)
+    conv = traffic.conv_bytes_per_sequence() // max(1, traffic.num_gdn_layers)
+    kv_token = traffic.kv_bytes_per_token() // max(1, traffic.num_attention_layers)
+    reads: list[tuple[str, int]] = []
+    for i, kind in enumerate(c.layer_types):
+        p = f"text/layers.{i}."
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            reads.append(("gdn q|k|v|z", size(a + "in_proj_qkv.weight", a + "in_proj_z.weight")))
+            rule = 2 * state + 2 * conv + size(a + "in_proj_b.weight", a + "in_proj_a.weight")
+            reads.append(("gdn recurrent", rule))
+            reads.append(("out", size(a + "out_proj.weight")))
+        else:
+            a = p + "self_attn."
+            qkv = size(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            reads.append(("attention q|gate|k|v", qkv))
+            reads.append(("attention K/V", (CONTEXT + 2) * kv_token))
+            reads.append(("out", size(a + "o_proj.weight")))
+        m = p + "mlp."
+        if c.num_experts:
+            e = m + "experts."
+            s = m + "shared_expert."
+            reads.append(("moe router", size(m + "gate.weight", m + "shared_expert_gate.weight")))
+            gate_up = by_name[e + "gate_up_proj"].nbytes * routed / c.num_experts
+            reads.append(
+                (
+                    "experts gate|up",
+                    int(gate_up) + size(s + "gate_proj.weight", s + "up_proj.weight"),
+                )
+            )
+            down = by_name[e + "down_proj"].nbytes * routed / c.num_experts
+            reads.append(("experts down", int(down) + size(s + "down_proj.weight")))
+        else:
+            reads.append(("mlp gate|up", size(m + "gate_proj.weight", m + "up_proj.weight")))
+            reads.append(("mlp down", size(m + "down_proj.weight")))
+    head = "text/embed_tokens.weight" if c.tie_word_embeddings else "text/lm_head.weight"
+    reads.append(("head", by_name[head].nbytes))
+    return reads
+
+
+def step_launches(shape: str, weights: str) -> tuple[float, float]:
+    """(kernels, integer GEMV kernels) per C=1 decode step of ninfer on `shape`, profiled."""
+    options = BenchOptions(
+        cases=make_cases([], [16], [], [1]),
+        shape=shape,
+        weights=weights,
+        repetitions=1,
+        profile=True,
+    )
+    report = run_bench(options)
+    row = report["rows"][0]
+    steps = row["profile_decode_steps"]
+    total = sum(k["calls"] for k in row["profile"]) / steps
+    gemv = sum(k["calls"] for k in row["profile"] if category(k["name"]) == "gemv") / steps
+    for kernel in row["profile"]:
+        print(f"  {kernel['calls'] / steps:6.1f} a step  {kernel['name'][:80]}")
+    torch.cuda.empty_cache()
+    return total, gemv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3_5-27b", choices=sorted(SHAPES))
+    parser.add_argument("--weights", default="q4")
+    parser.add_argument("--target", type=float, default=0.8, help="share of copy (0.8)")
+    parser.add_argument(
+        "--pattern", action="store_true", help="the 27B one-row q4 products against their floor"
+    )
+    args = parser.parse_args()
+    device = torch.device(DEVICE)
+    options = pdl_options(device)
+    sms = num_sms(device)
+    copy = copy_bandwidth(DEVICE)
+    if args.pattern:
+        gemv_pattern(sms, options, copy)
+        return
+
+    total, gemv = step_launches(args.shape, args.weights)
+    config = SHAPES[args.shape]
+    traffic = Traffic(config, profile_formats(config, args.weights))
+    step_bytes = traffic.decode_bytes([CONTEXT]).total
+    reads = step_reads(traffic)
+    trivial = max(0, round(total) - len(reads))
+    print(
+        f"{args.shape} {args.weights} C=1: {total:.1f} kernels a step ({gemv:.1f} integer "
+        f"GEMV); {len(reads)} reads, {trivial} trivial kernels; step bytes "
+        f"{step_bytes / 1e9:.3f} GB, read {sum(b for _, b in reads) / 1e9:.3f} GB; "
+        f"copy {copy / 1e9:.1f} GB/s; {options}"
+    )
+
+    best: dict[int, tuple[ReadSetting, float]] = {}
+    labels: dict[int, set[str]] = {}
+    for label, nbytes in reads:
+        labels.setdefault(nbytes, set()).add(label)
+    print(
+        f"{'read alone':34} {'MB':>8} {'warps':>5} {'block':>5} {'progs':>6} {'us':>8} {'copy':>6}"
+    )
+    for nbytes in sorted(labels):
+        setting, us = best_read(nbytes, sms, options)
+        best[nbytes] = (setting, us)
+        name = ", ".join(sorted(labels[nbytes]))
+        print(
+            f"{name[:34]:34} {nbytes / 1e6:8.2f} {setting.warps:5d} {setting.block:5d} "
+            f"{setting.programs:6d} {us:8.2f} {nbytes / (us * 1e-6) / copy:6.1%}"
+        )
+
+    spans = [best[nbytes][0].words() for _, nbytes in reads]
+    offsets = [0]
+    for span in spans:
+        offsets.append(offsets[-1] + span)
+    buffer = torch.zeros(offsets[-1], dtype=torch.int32, device=DEVICE)
+    out = torch.empty(max(s.programs for s, _ in best.values()), dtype=torch.int32, device=DEVICE)
+    rows = [torch.zeros(TRIVIAL_ROW, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    block = triton.next_power_of_2(triton.cdiv(TRIVIAL_ROW, TRIVIAL_PROGRAMS))
+    # trivial kernels spread evenly before the reads
+    before = [
+        trivial * (i + 1) // len(reads) - trivial * i // len(reads) for i in range(len(reads))
+    ]
+
+    def chain():
+        flip = 0
+        for (_, nbytes), start, extra in zip(reads, offsets, before, strict=False):
+            for _ in range(extra):
+                _trivial_kernel[(TRIVIAL_PROGRAMS,)](
+                    rows[flip], rows[1 - flip], TRIVIAL_ROW, BLOCK=block, **options
+                )
+                flip = 1 - flip
+            setting = best[nbytes][0]
+            launch_read(buffer[start : start + setting.words()], out, setting, options)
+
+    chain_us = median_us(chain)
+    alone = sum(best[nbytes][1] for _, nbytes in reads)
+    need = step_bytes / (args.target * copy) * 1e6
+    print(f"{'chain':34} {'launches':>8} {'ms':>8} {'copy':>6}")
+    print(
+        f"{'reads alone, summed':34} {len(reads):8d} {alone / 1e3:8.3f} "
+        f"{step_bytes / (alone * 1e-6) / copy:6.1%}"
+    )
+    print(
+        f"{'the floor chain, one graph, PDL':34} {len(reads) + trivial:8d} "
+        f"{chain_us / 1e3:8.3f} {step_bytes / (chain_us * 1e-6) / copy:6.1%}"
+    )
+    print(f"{f'a step at {args.target:.0%} of copy':34} {'':8} {need / 1e3:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
