@@ -131,6 +131,52 @@ def _pattern_kernel(
     tl.store(out_ptr + rows, total)
 
 
+@triton.jit
+def _levels_kernel(
+    words_ptr,
+    scales_ptr,
+    x_ptr,
+    xscale_ptr,
+    out_ptr,
+    num_words,
+    num_groups,
+    LEVELS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM: tl.constexpr = True,
+):
+    """The one-row q4 product's loop in its plainest form, with x's two int8 levels (coarse
+    and fine, as shipped) or the coarse level alone: what the second level's loads and dp4a
+    cost. Timing only; one level is not the shipped arithmetic."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    word_rows = words_ptr + rows[:, None].to(tl.int64) * num_words
+    scale_rows = scales_ptr + rows[:, None].to(tl.int64) * num_groups
+    per_group: tl.constexpr = 8
+    acc = tl.zeros([BLOCK_N, BLOCK_WORDS // per_group], tl.float32)
+    await_inputs(PDL)
+    for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=STAGES):
+        cols = start + tl.arange(0, BLOCK_WORDS)
+        groups = start // per_group + tl.arange(0, BLOCK_WORDS // per_group)
+        w = tl.load(word_rows + cols[None, :])
+        w_scale = tl.load(scale_rows + groups[None, :]).to(tl.float32)
+        low, high = groupwise_gemv_triton._signed_nibbles(w)
+        even = tl.load(x_ptr + cols)[None, :]
+        odd = tl.load(x_ptr + num_words + cols)[None, :]
+        sums = groupwise_gemv_triton._quad_chain(low, high, even, odd, True, True, ASM)
+        if LEVELS == 2:
+            even = tl.load(x_ptr + 2 * num_words + cols)[None, :]
+            odd = tl.load(x_ptr + 3 * num_words + cols)[None, :]
+            fine = groupwise_gemv_triton._quad_chain(low, high, even, odd, True, True, ASM)
+            sums = sums * 254 + fine
+        group_sums = tl.sum(tl.reshape(sums, [BLOCK_N, BLOCK_WORDS // per_group, 2]), axis=2)
+        x_scale = tl.load(xscale_ptr + groups)
+        acc += group_sums.to(tl.float32) * (x_scale[None, :] * w_scale)
+    total = tl.sum(acc, axis=1) * 0.0625
+    tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty))
+
+
 # The 27B one-row q4 products: (name, rows, K).
 PATTERN_PRODUCTS = (
     ("gdn q|k|v|z", 16384, 5120),
@@ -173,6 +219,31 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
         share = nbytes / (us * 1e-6) / copy
         print(f"{name:22} {form:30} {rows:4d} {words:5d} {warps:5d} {us:7.2f} {share:6.1%}")
 
+    def levels(rows, words, warps, levels):
+        state = {"i": 0}
+        result = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+
+        def run():
+            w = weights[state["i"] % sets]
+            state["i"] += 1
+            _levels_kernel[(triton.cdiv(n, rows),)](
+                w.planes["codes"].view(torch.int32),
+                w.planes["scales"],
+                split[0],
+                split[2],
+                result,
+                num_words,
+                num_groups,
+                LEVELS=levels,
+                BLOCK_N=rows,
+                BLOCK_WORDS=words,
+                STAGES=groupwise_gemv_triton.INT_STAGES,
+                num_warps=warps,
+                **options,
+            )
+
+        return median_us(run)
+
     def pattern(rows, words, warps, with_x):
         state = {"i": 0}
 
@@ -205,6 +276,8 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
 
     rows, words, warps = groupwise_gemv_triton._int_config(n, num_words, 1, x.device)
     report("shipped GEMV", rows, words, warps, median_us(shipped))
+    report("product, two levels (plain)", rows, words, warps, levels(rows, words, warps, 2))
+    report("product, one level (plain)", rows, words, warps, levels(rows, words, warps, 1))
     report("loads: codes, scales", rows, words, warps, pattern(rows, words, warps, False))
     report("loads: codes, scales, x", rows, words, warps, pattern(rows, words, warps, True))
     timed = sorted(
@@ -214,6 +287,9 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
     )
     for us, tile in timed[:3]:
         report("loads: codes, scales (best)", *tile, us)
+    for tile in (timed[0][1], (rows, words, 2 * warps)):
+        report("product, two levels (plain)", *tile, levels(*tile, 2))
+        report("product, one level (plain)", *tile, levels(*tile, 1))
     setting, us = best_read(nbytes, sms, options)
     report("read floor", 0, setting.block, setting.warps, us)
 
