@@ -213,6 +213,7 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
     split = groupwise_gemv_triton.split_x(x, 4, 64, k)
     attach(x, SplitRequest(4, 64, 1), split)
     num_words, num_groups = k // 8, k // 64
+    stages = groupwise_gemv_triton._int_stages(n, num_words, 1, x.device)  # as shipped
     out = torch.empty(n, dtype=torch.int32, device=DEVICE)
 
     def report(form, rows, words, warps, us):
@@ -237,7 +238,7 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
                 LEVELS=levels,
                 BLOCK_N=rows,
                 BLOCK_WORDS=words,
-                STAGES=groupwise_gemv_triton.INT_STAGES,
+                STAGES=stages,
                 num_warps=warps,
                 **options,
             )
@@ -261,7 +262,7 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
                 WITH_X=with_x,
                 BLOCK_N=rows,
                 BLOCK_WORDS=words,
-                STAGES=groupwise_gemv_triton.INT_STAGES,
+                STAGES=stages,
                 num_warps=warps,
                 **options,
             )

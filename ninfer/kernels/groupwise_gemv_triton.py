@@ -114,6 +114,17 @@ INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
 # 27B shapes on the GPU machine, four no faster (bench/decode_kernels.md).
 INT_STAGES = 3
+# ... and the products of INT_TUNED whose fastest count differs, by device name and the same
+# key. The 27B out projections' programs take three steps of 256 words: at four stages all
+# three are asked for before the first is computed, where at three the last waited for it
+# (docs/performance.md, Measurement 31, products alone with x split beforehand: 7.93 -> 6.71
+# us; MLP down, 17 steps: 13.96 -> 13.61 us; every other listed product was slower at four).
+INT_TUNED_STAGES: dict[str, dict[tuple[int, int, int, int], int]] = {
+    "NVIDIA H200": {
+        (4, 5120, 768, 1): 4,  # 27B out projections
+        (4, 5120, 2176, 1): 4,  # 27B MLP down
+    },
+}
 # A program that reads its rows in one step reads its codes and scales before it waits for the
 # kernel before it (`pdl_triton.READ_BEFORE_WAIT`; no kernel writes weights), in a dense
 # product or the experts' down one (its pairs come from the routing two kernels back): the
@@ -1049,6 +1060,17 @@ def _int_config(
     return block_n, max(8, INT_STEP_WORDS // block_n), INT_WARPS
 
 
+def _int_stages(
+    num_rows: int, row_words: int, out_cols: int, device: torch.device, bits: int = 4
+) -> int:
+    """Stages of the integer kernel's loop for a product keyed as in `_int_config`: its entry
+    in INT_TUNED_STAGES for the device, else INT_STAGES."""
+    if device.type == "cuda":
+        listed = INT_TUNED_STAGES.get(device_name(device), {})
+        return listed.get((bits, num_rows, row_words, out_cols), INT_STAGES)
+    return INT_STAGES
+
+
 def _int_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -1118,7 +1140,7 @@ def _int_linear(
         CONV=conv is not None,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,
-        STAGES=INT_STAGES,
+        STAGES=_int_stages(num_rows, num_words, out_rows, x.device, bits),
         ASM=not INTERPRETED,
         WEIGHTS_BEFORE_WAIT=INT_WEIGHTS_BEFORE_WAIT
         and block_words >= num_words

@@ -343,6 +343,21 @@ def test_integer_gemv_takes_the_tuned_setting_of_a_listed_product(interpreted, m
     assert module._int_config(16384, 640, 1, cuda, 4) == (16, 128, 4)
 
 
+def test_integer_gemv_takes_the_tuned_stages_of_a_listed_product(interpreted, monkeypatch):
+    """The 27B out projections and MLP down run four stages on the H200 (`INT_TUNED_STAGES`);
+    every other product, another device and the CPU keep `INT_STAGES`."""
+    module = interpreted("groupwise_gemv_triton")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(module, "device_name", lambda device: "NVIDIA H200")
+    assert module._int_stages(5120, 768, 1, cuda, 4) == 4  # 27B out projections
+    assert module._int_stages(5120, 2176, 1, cuda, 4) == 4  # 27B MLP down
+    assert module._int_stages(34816, 640, 1, cuda, 4) == module.INT_STAGES == 3
+    assert module._int_stages(5120, 768, 2, cuda, 4) == 3
+    assert module._int_stages(5120, 768, 1, torch.device("cpu"), 4) == 3
+    monkeypatch.setattr(module, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert module._int_stages(5120, 768, 1, cuda, 4) == 3
+
+
 @pytest.mark.parametrize("warps", [2, 4])
 def test_integer_gemv_launches_with_its_settings_warps(interpreted, monkeypatch, warps):
     """The warps `_int_config` gives a product (`INT_TUNED` lists two for some) are the warps
