@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from decode_variants import _chain_kernel  # this folder: the scripts run as `python bench/...`
 from triton.testing import do_bench_cudagraph
 
 from ninfer.bench.cases import make_cases
@@ -81,11 +82,12 @@ def _read_kernel(words_ptr, out_ptr, steps, BLOCK: tl.constexpr, PDL: tl.constex
 
 
 @triton.jit
-def _trivial_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_inputs(PDL)
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask) + 1, mask=mask)
+def _x_words(x_ptr, num_words, cols):
+    """The xor of x's four code arrays (coarse and fine, even and odd values) at `cols`."""
+    x = tl.load(x_ptr + cols)
+    x ^= tl.load(x_ptr + num_words + cols)
+    x ^= tl.load(x_ptr + 2 * num_words + cols)
+    return x ^ tl.load(x_ptr + 3 * num_words + cols)
 
 
 @triton.jit
@@ -106,7 +108,8 @@ def _pattern_kernel(
     """The one-row integer GEMV's loads without its arithmetic: program p reads rows
     [p * BLOCK_N, (p + 1) * BLOCK_N) of the codes, BLOCK_WORDS words a row a step, with their
     scales (and, WITH_X, x's coarse and fine words of the even and odd values and its steps),
-    the first step before the wait, and stores the xor of what it read."""
+    the first step's codes and scales before the wait, and stores for each row the xor of
+    what it read."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     word_rows = words_ptr + rows[:, None].to(tl.int64) * num_words
     scale_rows = scales_ptr + rows[:, None].to(tl.int64) * num_groups
@@ -116,16 +119,15 @@ def _pattern_kernel(
     acc = tl.load(word_rows + cols[None, :])
     acc_s = tl.load(scale_rows + groups[None, :]).to(tl.int16, bitcast=True).to(tl.int32)
     await_inputs(PDL)
+    if WITH_X:  # x is the kernel before's output: its first step is read after the wait
+        acc ^= _x_words(x_ptr, num_words, cols)[None, :]
+        acc_s ^= tl.load(xscale_ptr + groups).to(tl.int32, bitcast=True)[None, :]
     for start in tl.range(BLOCK_WORDS, num_words, BLOCK_WORDS, num_stages=STAGES):
         acc ^= tl.load(word_rows + start + cols[None, :])
         g = start // per_group + groups
         acc_s ^= tl.load(scale_rows + g[None, :]).to(tl.int16, bitcast=True).to(tl.int32)
         if WITH_X:
-            x = tl.load(x_ptr + start + cols)
-            x ^= tl.load(x_ptr + num_words + start + cols)
-            x ^= tl.load(x_ptr + 2 * num_words + start + cols)
-            x ^= tl.load(x_ptr + 3 * num_words + start + cols)
-            acc ^= x[None, :]
+            acc ^= _x_words(x_ptr, num_words, start + cols)[None, :]
             acc_s ^= tl.load(xscale_ptr + g).to(tl.int32, bitcast=True)[None, :]
     total = tl.xor_sum(acc, 1) ^ tl.xor_sum(acc_s, 1)
     tl.store(out_ptr + rows, total)
@@ -220,54 +222,38 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
         share = nbytes / (us * 1e-6) / copy
         print(f"{name:22} {form:30} {rows:4d} {words:5d} {warps:5d} {us:7.2f} {share:6.1%}")
 
-    def levels(rows, words, warps, levels):
+    result = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+
+    def run_tile(kernel, into, rows, words, warps, **flags):
+        """One of this script's kernels over the rotated weights, in a tile, timed."""
         state = {"i": 0}
-        result = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
 
         def run():
             w = weights[state["i"] % sets]
             state["i"] += 1
-            _levels_kernel[(triton.cdiv(n, rows),)](
+            kernel[(triton.cdiv(n, rows),)](
                 w.planes["codes"].view(torch.int32),
                 w.planes["scales"],
                 split[0],
                 split[2],
-                result,
+                into,
                 num_words,
                 num_groups,
-                LEVELS=levels,
                 BLOCK_N=rows,
                 BLOCK_WORDS=words,
                 STAGES=stages,
                 num_warps=warps,
+                **flags,
                 **options,
             )
 
         return median_us(run)
+
+    def levels(rows, words, warps, levels):
+        return run_tile(_levels_kernel, result, rows, words, warps, LEVELS=levels)
 
     def pattern(rows, words, warps, with_x):
-        state = {"i": 0}
-
-        def run():
-            w = weights[state["i"] % sets]
-            state["i"] += 1
-            _pattern_kernel[(triton.cdiv(n, rows),)](
-                w.planes["codes"].view(torch.int32),
-                w.planes["scales"],
-                split[0],
-                split[2],
-                out,
-                num_words,
-                num_groups,
-                WITH_X=with_x,
-                BLOCK_N=rows,
-                BLOCK_WORDS=words,
-                STAGES=stages,
-                num_warps=warps,
-                **options,
-            )
-
-        return median_us(run)
+        return run_tile(_pattern_kernel, out, rows, words, warps, WITH_X=with_x)
 
     state = {"i": 0}
 
@@ -485,7 +471,7 @@ def main() -> None:
         flip = 0
         for (_, nbytes), start, extra in zip(reads, offsets, before, strict=False):
             for _ in range(extra):
-                _trivial_kernel[(TRIVIAL_PROGRAMS,)](
+                _chain_kernel[(TRIVIAL_PROGRAMS,)](
                     rows[flip], rows[1 - flip], TRIVIAL_ROW, BLOCK=block, **options
                 )
                 flip = 1 - flip
