@@ -284,9 +284,11 @@ def cases():
 
     def integer_gemv_at_the_tuned_settings():
         """Every listed setting, in the forms a listed product may take: q4 with the conv
-        inside and without, gathered (the experts' gate|up at nine pairs), and the q6 head's."""
-        rule = groupwise_gemv_triton._int_config
+        inside and without, gathered (the experts' gate|up at nine pairs), and the q6 head's;
+        then plain q4 at each stage count INT_TUNED_STAGES lists."""
+        rule, stages_rule = groupwise_gemv_triton._int_config, groupwise_gemv_triton._int_stages
         tables = groupwise_gemv_triton.INT_TUNED.values()
+        stage_tables = groupwise_gemv_triton.INT_TUNED_STAGES.values()
         head = get_format("q6_g64_fp16").encode(torch.randn(2048, 5120) * 0.02)
         try:
             for setting in sorted({setting for table in tables for setting in table.values()}):
@@ -302,8 +304,16 @@ def cases():
                     kc.check_grouped_groupwise_linear(
                         groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2
                     )
+                for stages in sorted({n for table in stage_tables for n in table.values()}):
+                    groupwise_gemv_triton._int_stages = lambda *shape, stages=stages: stages
+                    with contextlib.suppress(AssertionError):
+                        kc.check_groupwise_linear(
+                            groupwise_gemv_triton, q4, 1, 2048, 5120, BF16, cpu, 1e-2
+                        )
+                    groupwise_gemv_triton._int_stages = stages_rule
         finally:
             groupwise_gemv_triton._int_config = rule
+            groupwise_gemv_triton._int_stages = stages_rule
 
     def experts_down_with_the_swiglu():
         stacked = get_format(q4).encode(torch.randn(257 * 2048, 512) * 0.02)
