@@ -7,10 +7,11 @@ of its kernels must move, and as many trivial dependent kernels as the step has 
     python bench/per_op_floor.py --pattern
 
 `--pattern` asks where the 27B one-row q4 products lose to their read floor: each product
-timed as shipped (x split beforehand, so one kernel), then its loads alone in the shipped
-tiles (the weight's codes and scales; then also x's four code arrays and steps), xored
-instead of multiplied, then the weight's loads alone at other tiles, beside the read floor of
-the same bytes.
+timed as shipped (x split beforehand, so one kernel); as a plain copy of its loop with x's two
+int8 levels, and with the coarse one alone; its loads alone in the shipped tiles (the
+weight's codes and scales; then also x's four code arrays and steps), xored instead of
+multiplied; the weight's loads alone at other tiles, and the loop in the best of them; and
+the read floor of the same bytes.
 
 Steps:
 1. The shape's C=1 decode step is profiled (`ninfer bench --profile`, 16 steps, graphs off)
@@ -30,9 +31,9 @@ Steps:
    and copies a 5120-value row (docs/performance.md, Measurement 21: 0.7-0.8 us a launch).
 5. The chain is timed as one CUDA graph (median replay) with every kernel under PDL.
 
-What it prints: each read size alone (best setting, us, share of copy) beside the shipped
-product's time where one exists; then the chain's time, the step bytes over it as a share of
-the copy rate measured in the same run, and the step time the target's share would need.
+What it prints: each read size alone (best setting, us, share of copy); then the chain's
+time, the step bytes over it as a share of the copy rate measured in the same run, and the
+step time the target's share would need.
 """
 
 from __future__ import annotations
