@@ -10,8 +10,9 @@ of its kernels must move, and as many trivial dependent kernels as the step has 
 timed as shipped (x split beforehand, so one kernel); as a plain copy of its loop with x's two
 int8 levels, and with the coarse one alone; its loads alone in the shipped tiles (the
 weight's codes and scales; then also x's four code arrays and steps), xored instead of
-multiplied; the weight's loads alone at other tiles, and the loop in the best of them; and
-the read floor of the same bytes.
+multiplied; the same loads, and the loop, with each tile's steps stored whole one after
+another (a layout made for the tile: only the addresses change); the weight's loads alone at
+other tiles, and the loop in the best of them; and the read floor of the same bytes.
 
 Steps:
 1. The shape's C=1 decode step is profiled (`ninfer bench --profile`, 16 steps, graphs off)
@@ -92,6 +93,26 @@ def _x_words(x_ptr, num_words, cols):
 
 
 @triton.jit
+def _tile_rows(words_ptr, scales_ptr, num_words, num_groups, BLOCKED, BLOCK_N, BLOCK_WORDS):
+    """(code rows, scale rows, words and groups between a row's steps) of program p's tile: row
+    after row of the planes as stored, or, BLOCKED, the tile's steps each stored whole, one
+    after another ([row blocks, steps, BLOCK_N, BLOCK_WORDS] codes and [..., groups] scales):
+    what a layout made for this tile would read. Only the addresses differ, so a BLOCKED
+    kernel times the layout and computes nothing meaningful."""
+    per_group: tl.constexpr = 8  # q4_g64: eight code words a group
+    step_groups: tl.constexpr = BLOCK_WORDS // per_group
+    p = tl.program_id(0).to(tl.int64)
+    if BLOCKED:
+        tiles = p * (num_words // BLOCK_WORDS)
+        local = tl.arange(0, BLOCK_N)[:, None]
+        word_rows = words_ptr + tiles * (BLOCK_N * BLOCK_WORDS) + local * BLOCK_WORDS
+        scale_rows = scales_ptr + tiles * (BLOCK_N * step_groups) + local * step_groups
+        return word_rows, scale_rows, BLOCK_N * BLOCK_WORDS, BLOCK_N * step_groups
+    rows = p * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    return words_ptr + rows * num_words, scales_ptr + rows * num_groups, BLOCK_WORDS, step_groups
+
+
+@triton.jit
 def _pattern_kernel(
     words_ptr,
     scales_ptr,
@@ -105,15 +126,17 @@ def _pattern_kernel(
     BLOCK_WORDS: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    BLOCKED: tl.constexpr = False,
 ):
     """The one-row integer GEMV's loads without its arithmetic: program p reads rows
     [p * BLOCK_N, (p + 1) * BLOCK_N) of the codes, BLOCK_WORDS words a row a step, with their
     scales (and, WITH_X, x's coarse and fine words of the even and odd values and its steps),
     the first step's codes and scales before the wait, and stores for each row the xor of
-    what it read."""
+    what it read (BLOCKED: `_tile_rows`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    word_rows = words_ptr + rows[:, None].to(tl.int64) * num_words
-    scale_rows = scales_ptr + rows[:, None].to(tl.int64) * num_groups
+    word_rows, scale_rows, word_step, group_step = _tile_rows(
+        words_ptr, scales_ptr, num_words, num_groups, BLOCKED, BLOCK_N, BLOCK_WORDS
+    )
     per_group: tl.constexpr = 8  # q4_g64: eight code words a group
     cols = tl.arange(0, BLOCK_WORDS)
     groups = tl.arange(0, BLOCK_WORDS // per_group)
@@ -124,11 +147,13 @@ def _pattern_kernel(
         acc ^= _x_words(x_ptr, num_words, cols)[None, :]
         acc_s ^= tl.load(xscale_ptr + groups).to(tl.int32, bitcast=True)[None, :]
     for start in tl.range(BLOCK_WORDS, num_words, BLOCK_WORDS, num_stages=STAGES):
-        acc ^= tl.load(word_rows + start + cols[None, :])
-        g = start // per_group + groups
-        acc_s ^= tl.load(scale_rows + g[None, :]).to(tl.int16, bitcast=True).to(tl.int32)
+        step = start // BLOCK_WORDS
+        acc ^= tl.load(word_rows + step * word_step + cols[None, :])
+        s = tl.load(scale_rows + step * group_step + groups[None, :])
+        acc_s ^= s.to(tl.int16, bitcast=True).to(tl.int32)
         if WITH_X:
             acc ^= _x_words(x_ptr, num_words, start + cols)[None, :]
+            g = start // per_group + groups
             acc_s ^= tl.load(xscale_ptr + g).to(tl.int32, bitcast=True)[None, :]
     total = tl.xor_sum(acc, 1) ^ tl.xor_sum(acc_s, 1)
     tl.store(out_ptr + rows, total)
@@ -149,21 +174,25 @@ def _levels_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     ASM: tl.constexpr = True,
+    BLOCKED: tl.constexpr = False,
 ):
     """The one-row q4 product's loop in its plainest form, with x's two int8 levels (coarse
     and fine, as shipped) or the coarse level alone: what the second level's loads and dp4a
-    cost. Timing only; one level is not the shipped arithmetic."""
+    cost. Timing only; one level is not the shipped arithmetic (BLOCKED: `_tile_rows`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    word_rows = words_ptr + rows[:, None].to(tl.int64) * num_words
-    scale_rows = scales_ptr + rows[:, None].to(tl.int64) * num_groups
+    word_rows, scale_rows, word_step, group_step = _tile_rows(
+        words_ptr, scales_ptr, num_words, num_groups, BLOCKED, BLOCK_N, BLOCK_WORDS
+    )
     per_group: tl.constexpr = 8
     acc = tl.zeros([BLOCK_N, BLOCK_WORDS // per_group], tl.float32)
     await_inputs(PDL)
     for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_WORDS)
         groups = start // per_group + tl.arange(0, BLOCK_WORDS // per_group)
-        w = tl.load(word_rows + cols[None, :])
-        w_scale = tl.load(scale_rows + groups[None, :]).to(tl.float32)
+        step = start // BLOCK_WORDS
+        w = tl.load(word_rows + step * word_step + tl.arange(0, BLOCK_WORDS)[None, :])
+        local_groups = tl.arange(0, BLOCK_WORDS // per_group)[None, :]
+        w_scale = tl.load(scale_rows + step * group_step + local_groups).to(tl.float32)
         low, high = groupwise_gemv_triton._signed_nibbles(w)
         even = tl.load(x_ptr + cols)[None, :]
         odd = tl.load(x_ptr + num_words + cols)[None, :]
@@ -250,11 +279,11 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
 
         return median_us(run)
 
-    def levels(rows, words, warps, levels):
-        return run_tile(_levels_kernel, result, rows, words, warps, LEVELS=levels)
+    def levels(rows, words, warps, levels, blocked=False):
+        return run_tile(_levels_kernel, result, rows, words, warps, LEVELS=levels, BLOCKED=blocked)
 
-    def pattern(rows, words, warps, with_x):
-        return run_tile(_pattern_kernel, out, rows, words, warps, WITH_X=with_x)
+    def pattern(rows, words, warps, with_x, blocked=False):
+        return run_tile(_pattern_kernel, out, rows, words, warps, WITH_X=with_x, BLOCKED=blocked)
 
     state = {"i": 0}
 
@@ -268,6 +297,10 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
     report("product, one level (plain)", rows, words, warps, levels(rows, words, warps, 1))
     report("loads: codes, scales", rows, words, warps, pattern(rows, words, warps, False))
     report("loads: codes, scales, x", rows, words, warps, pattern(rows, words, warps, True))
+    tile = (rows, words, warps)
+    report("loads: codes, scales, blocked", *tile, pattern(*tile, False, blocked=True))
+    report("loads: codes, scales, x, blocked", *tile, pattern(*tile, True, blocked=True))
+    report("product, two levels, blocked", *tile, levels(*tile, 2, blocked=True))
     timed = sorted(
         (pattern(*tile, False), tile)
         for tile in PATTERN_TILES
@@ -278,6 +311,7 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
     for tile in (timed[0][1], (rows, words, 2 * warps)):
         report("product, two levels (plain)", *tile, levels(*tile, 2))
         report("product, one level (plain)", *tile, levels(*tile, 1))
+        report("product, two levels, blocked", *tile, levels(*tile, 2, blocked=True))
     setting, us = best_read(nbytes, sms, options)
     report("read floor", 0, setting.block, setting.warps, us)
 

@@ -88,3 +88,37 @@ def test_plain_loop_with_two_levels_is_the_shipped_product(floor):
         LEVELS=2, BLOCK_N=8, BLOCK_WORDS=32, STAGES=3, PDL=False, ASM=False,
     )  # fmt: skip
     assert torch.equal(out, groupwise_gemv_triton.integer_linear(x, weight)[0])
+
+
+def blocked(plane: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """plane [n, k] stored as `_tile_rows` reads it with BLOCKED: each rows x cols tile whole,
+    the tiles of a row block in order along k, the row blocks one after another."""
+    n, k = plane.shape
+    tiles = plane.reshape(n // rows, rows, k // cols, cols).permute(0, 2, 1, 3)
+    return tiles.contiguous().reshape(n, k)
+
+
+def test_blocked_forms_read_the_tiles_of_a_blocked_layout(floor):
+    from ninfer.kernels import groupwise_gemv_triton
+
+    n, k, rows, words = 32, 1024, 8, 32
+    weight, x, codes, steps = q4_product(n, k)
+    planes = weight.planes
+    flat_codes = planes["codes"].view(torch.int32)
+    args = (blocked(flat_codes, rows, words), blocked(planes["scales"], rows, words // 8))
+    common = {"BLOCK_N": rows, "BLOCK_WORDS": words, "STAGES": 3, "PDL": False}
+    loads = torch.empty(n, dtype=torch.int32)
+    as_stored = torch.empty(n, dtype=torch.int32)
+    floor._pattern_kernel[(n // rows,)](
+        *args, codes, steps, loads, k // 8, k // 64, WITH_X=True, BLOCKED=True, **common
+    )
+    floor._pattern_kernel[(n // rows,)](
+        flat_codes, planes["scales"], codes, steps, as_stored, k // 8, k // 64, WITH_X=True,
+        **common,
+    )  # fmt: skip
+    assert torch.equal(loads, as_stored)
+    out = torch.empty(n, dtype=torch.float16)
+    floor._levels_kernel[(n // rows,)](
+        *args, codes, steps, out, k // 8, k // 64, LEVELS=2, ASM=False, BLOCKED=True, **common
+    )
+    assert torch.equal(out, groupwise_gemv_triton.integer_linear(x, weight)[0])
