@@ -53,6 +53,13 @@ STATE_FIRST_MAX_SEQS = 1
 # Measurement 30).
 NORM_LAST_MAX_BLOCKS = 4
 RECURRENT_WARPS = 4
+# ... and at several sequences with the gates given (a decode step of several lanes): (widest
+# column block, warps, register cap or None). Uncapped at 64 columns and four warps, a program
+# of the 27B step's form (the output norm folded) takes 184 registers and two fit an SM; capped
+# at 160, three fit without a spill. Timed alone on the GPU machine, eight 27B sequences, fp32
+# states beyond the L2: 19.05 us uncapped, 17.88 at (64, 4, 160), 17.58 at (32, 2, 160); the
+# 27B q4 C=8 step 6.80 -> 6.71 ms (docs/performance.md, Measurement 32).
+SEQS_SETTING: tuple[int, int, int | None] = (32, 2, 160)
 
 
 @triton.jit
@@ -434,7 +441,10 @@ def _launch(
             raise ValueError("q, k, v need unit stride along the head dimension")
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_seqs = state_slots.shape[0]
-    block_v = _block_v(num_seqs, num_value_heads, value_dim, v.device)
+    max_block, warps, registers = MAX_BLOCK_V, RECURRENT_WARPS, None
+    if x is None and num_seqs > 1:
+        max_block, warps, registers = SEQS_SETTING
+    block_v = _block_v(num_seqs, num_value_heads, value_dim, v.device, max_block)
     blocks = triton.cdiv(value_dim, block_v)
     z = norm_weight = squares = out  # unused unless folding
     if fold is not None:
@@ -505,16 +515,23 @@ def _launch(
         ROUND_SCALED=round_scaled,
         BLOCK_D=next_power_of_2(value_dim),
         **split_constants,
-        num_warps=RECURRENT_WARPS,
+        num_warps=warps,
+        **({"maxnreg": registers} if registers else {}),
         **pdl_options(q.device),
     )
     return out if fold is None else _head_normed(out, squares, eps)
 
 
-def _block_v(num_seqs: int, num_value_heads: int, value_dim: int, device: torch.device) -> int:
-    """A program's columns of a head: narrower when few sequences, so that the grid still
-    covers the SMs."""
-    block_v = min(next_power_of_2(value_dim), MAX_BLOCK_V)
+def _block_v(
+    num_seqs: int,
+    num_value_heads: int,
+    value_dim: int,
+    device: torch.device,
+    max_block: int = MAX_BLOCK_V,
+) -> int:
+    """A program's columns of a head, at most max_block: narrower when few sequences, so that
+    the grid still covers the SMs."""
+    block_v = min(next_power_of_2(value_dim), max_block)
     while block_v > 16 and num_seqs * num_value_heads * (value_dim // block_v) < num_sms(device):
         block_v //= 2
     return block_v

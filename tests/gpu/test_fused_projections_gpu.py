@@ -101,6 +101,15 @@ def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatc
         "recurrent_gated_delta_rule_from_x",
         lambda *args: taken.append(1) or rule_from_x(*args),
     )
+    from ninfer.kernels import gdn_recurrent_triton
+
+    # The rule with the gates given takes the one-sequence launch setting here, so that its
+    # reductions run in the same order as the kernel with the gates in it (bit for bit below).
+    monkeypatch.setattr(
+        gdn_recurrent_triton,
+        "SEQS_SETTING",
+        (gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS, None),
+    )
     in_rule = gated_deltanet.GATES_IN_RULE_MAX_TOKENS
     monkeypatch.setattr(
         gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", gated_deltanet.GATES_FROM_X_MAX_TOKENS

@@ -45,14 +45,14 @@ def interpreted():
 
 def record_launches(monkeypatch, module, kernel_name: str, constant: str) -> list:
     """Launches of `module.<kernel_name>` run as before, each noting the value of its launch
-    constant `constant` in the list returned."""
+    constant or option `constant` (None where not given) in the list returned."""
     launches = []
     kernel = getattr(module, kernel_name)
 
     class Recording:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append(kwargs[constant])
+                launches.append(kwargs.get(constant))
                 return kernel[grid](*args, **kwargs)
 
             return launch
@@ -94,6 +94,24 @@ def test_gdn_recurrent_reads_the_state_before_the_wait_at_one_sequence_only(
     )
     module.recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
     assert launches == [first]
+
+
+@pytest.mark.parametrize(("query_lens", "several"), [([1], False), ([3], False), ([1, 1], True)])
+def test_gdn_recurrent_takes_its_several_sequence_setting(
+    interpreted, monkeypatch, query_lens, several
+):
+    """`SEQS_SETTING`: at several sequences the kernel launches at its warps and register
+    cap, at one sequence as before (the cap would cost the one-token kernel's latency)."""
+    module = interpreted("gdn_recurrent_triton")
+    monkeypatch.setattr(module, "SEQS_SETTING", (64, 2, 160))
+    launches = record_launches(monkeypatch, module, "_recurrent_kernel", "num_warps")
+    caps = record_launches(monkeypatch, module, "_recurrent_kernel", "maxnreg")
+    q, k, v, g, beta, states, slots, query_start = gdn_inputs(
+        query_lens, 2, 4, 16, 32, torch.float32, "cpu", 1.0
+    )
+    module.recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, query_start)
+    assert launches == [2 if several else module.RECURRENT_WARPS]
+    assert caps == ([160] if several else [None])
 
 
 def test_causal_conv1d_prefill_and_decode_update_windows(interpreted):

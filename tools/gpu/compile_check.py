@@ -360,6 +360,9 @@ def cases():
             1, 24, 4, 256, 64, BF16, cpu, 1e-2)),
         ("gdn recurrent", lambda: kc.check_gdn_recurrent(
             gdn_recurrent_triton, [1, 2], 16, 48, 128, 128, BF16, cpu, 1e-2)),
+        ("gdn recurrent, eight sequences, output norm folded", lambda:
+            kc.check_gdn_recurrent_normed(
+                gdn_recurrent_triton, [1] * 8, 16, 48, 128, 128, BF16, cpu)),
         ("gdn recurrent with the gates", lambda: kc.check_gdn_recurrent_from_x(
             gdn_recurrent_triton, gdn_gates_triton, [1], 16, 48, 128, 128, 5120, BF16, cpu,
             1e-2)),
