@@ -6,7 +6,8 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
 - the column block and warps of the GDN decode kernel (`gdn_recurrent_triton`, b|a product
   and gates inside) at one token, beside the one-token cost of the small kernels around it
   (gated norm, conv, SwiGLU) that folding into a neighbour would save (Measurement 9); and
-  at eight sequences, against the rate of copy (states rotated beyond the L2);
+  at eight sequences, against the rate of copy (states rotated beyond the L2), and there, as
+  several lanes run it (gates given, output norm folded), at its register caps;
 - at the 35B-A3B shapes, one token: the fused router stage by stage (the kernel with its dot
   products, arrival counter or routing left out), with the norm before it inside or apart,
   and its rows per program
@@ -158,6 +159,47 @@ def gdn_decode_eight_sequences() -> None:
         print(f"{label:48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
     gdn_recurrent_triton.num_sms = sms
     gdn_recurrent_triton.MAX_BLOCK_V, gdn_recurrent_triton.RECURRENT_WARPS = defaults
+
+
+def gdn_seqs_settings() -> None:
+    """The GDN decode kernel as eight sequences run it (gates given, the output norm folded),
+    27B shape, at `SEQS_SETTING` forms: widest column block, warps and register cap (None:
+    the compiler's count), the fp32 states rotated beyond the L2 (docs/performance.md,
+    Measurement 32)."""
+    copy = copy_bandwidth(DEVICE)
+    q, k, v, x, ba_weight, A_log, dt_bias, states, slot_sets, query_start = _eight_sequences()
+    g, beta = gdn_gates_triton.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
+    z = torch.randn_like(v)
+    weight = torch.ones(v.shape[-1], device=DEVICE, dtype=BF16)
+    moved = _eight_sequences_moved(states)
+    rule = gdn_recurrent_triton
+    print(f"{'GDN rule + norm, 8 sequences, 27B, setting':48} {'us':>7} {'of copy':>8}")
+    chosen = rule.SEQS_SETTING
+    settings = [(64, 4, None), (64, 4, 160), (64, 4, 128), (32, 2, None), (32, 2, 160)]
+    settings += [(32, 2, 144), (16, 1, 160), (64, 8, None)]
+    for setting in settings:
+        rule.SEQS_SETTING = setting
+        calls = [
+            partial(
+                rule.recurrent_gated_delta_rule_normed,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                states,
+                slots,
+                query_start,
+                z,
+                weight,
+                1e-6,
+            )
+            for slots in slot_sets
+        ]
+        us = median_us(rotating(calls))
+        label = f"{setting}{' (as set)' if setting == chosen else ''}"
+        print(f"{label:48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
+    rule.SEQS_SETTING = chosen
 
 
 def _gdn_decode_kernels_at(name: str, hidden: int, value_heads: int, mlp: int) -> None:
@@ -748,6 +790,7 @@ def main() -> None:
     norm_and_routing_warps()
     gdn_decode_kernels()
     gdn_decode_eight_sequences()
+    gdn_seqs_settings()
     gdn_state_traffic()
     router_stages()
     norm_in_router()

@@ -4,6 +4,8 @@ and the torch reference on copies of them and compares outputs and in-place stat
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ninfer.engine.kv_pool import PAGE_SIZE
@@ -168,6 +170,24 @@ def check_gdn_recurrent_normed(
     )
 
 
+@contextmanager
+def one_sequence_setting(recurrent_module):
+    """Inside, the recurrent kernel launches at several sequences as at one (`MAX_BLOCK_V`,
+    `RECURRENT_WARPS`, no register cap) in place of its `SEQS_SETTING`, so that it reduces
+    in the order of the kernel with the gates inside; modules without the setting (the
+    torch reference) as they are."""
+    setting = getattr(recurrent_module, "SEQS_SETTING", None)
+    if setting is None:
+        yield
+        return
+    one = (recurrent_module.MAX_BLOCK_V, recurrent_module.RECURRENT_WARPS, None)
+    recurrent_module.SEQS_SETTING = one
+    try:
+        yield
+    finally:
+        recurrent_module.SEQS_SETTING = setting
+
+
 def check_gdn_recurrent_from_x(
     recurrent_module,
     gates_module,
@@ -183,9 +203,9 @@ def check_gdn_recurrent_from_x(
 ) -> None:
     """The delta rule with the gates computed inside (`recurrent_gated_delta_rule_from_x`)
     against the two launches it replaces, `gates_module.gdn_gates_from_x` then
-    `recurrent_module.recurrent_gated_delta_rule`: outputs and states equal bit for bit (one
-    dot-product helper and one gate arithmetic, so one summation order; a failure says how far
-    apart they are). Against the torch reference (its own b|a
+    `recurrent_module.recurrent_gated_delta_rule` at the one-sequence launch setting: outputs
+    and states equal bit for bit (one dot-product helper, one gate arithmetic and one warp
+    layout, so one summation order; a failure says how far apart they are). Against the torch reference (its own b|a
     product, whose rounding may differ by a step, then the gates and the rule) outputs and
     states within `tol`. x's rows strided; slots in descending order past two spare ones,
     which must stay exactly as they were."""
@@ -205,9 +225,10 @@ def check_gdn_recurrent_from_x(
     )
     assert out.dtype == v.dtype and out.shape == v.shape
     g, beta = gates_module.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
-    two_launch = recurrent_module.recurrent_gated_delta_rule(
-        q, k, v, g, beta, two_launch_states, slots, query_start
-    )
+    with one_sequence_setting(recurrent_module):
+        two_launch = recurrent_module.recurrent_gated_delta_rule(
+            q, k, v, g, beta, two_launch_states, slots, query_start
+        )
     assert torch.equal(out, two_launch), f"outputs {relative_error(out, two_launch):.1e} apart"
     assert torch.equal(states, two_launch_states), (
         f"states {relative_error(states, two_launch_states):.1e} apart"
