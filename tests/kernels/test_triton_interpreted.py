@@ -101,7 +101,7 @@ def test_gdn_recurrent_takes_its_several_sequence_setting(
     interpreted, monkeypatch, query_lens, several
 ):
     """`SEQS_SETTING`: at several sequences the kernel launches at its warps and register
-    cap, at one sequence as before (the cap would cost the one-token kernel's latency)."""
+    cap, at one sequence as before (uncapped, its programs at 27B fit in one wave)."""
     module = interpreted("gdn_recurrent_triton")
     monkeypatch.setattr(module, "SEQS_SETTING", (64, 2, 160))
     launches = record_launches(monkeypatch, module, "_recurrent_kernel", "num_warps")
