@@ -5,6 +5,7 @@ of its kernels must move, and as many trivial dependent kernels as the step has 
 
     python bench/per_op_floor.py [--shape qwen3_5-27b] [--weights q4]
     python bench/per_op_floor.py --pattern
+    python bench/per_op_floor.py --tma
 
 `--pattern` asks where the 27B one-row q4 products lose to their read floor: each product
 timed as shipped (x split beforehand, so one kernel); as a plain copy of its loop with x's two
@@ -13,6 +14,12 @@ weight's codes and scales; then also x's four code arrays and steps), xored inst
 multiplied; the same loads, and the loop, with each tile's steps stored whole one after
 another (a layout made for the tile: only the addresses change); the weight's loads alone at
 other tiles, and the loop in the best of them; and the read floor of the same bytes.
+
+`--tma` times, for the same products, the plain loop and the weight's loads alone as above
+against the same with the codes and scales read through the tensor memory accelerator (bulk
+copies into shared memory that the loop's pipeliner issues ahead under mbarriers, no address
+arithmetic a thread), in the shipped tile and five others; it first checks that the TMA loop
+gives the plain loop's output bit for bit.
 
 Steps:
 1. The shape's C=1 decode step is profiled (`ninfer bench --profile`, 16 steps, graphs off)
@@ -209,6 +216,61 @@ def _levels_kernel(
     tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _tma_kernel(
+    words_desc,
+    scales_desc,
+    x_ptr,
+    xscale_ptr,
+    out_ptr,
+    num_words,
+    LOADS_ONLY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM: tl.constexpr = True,
+):
+    """`_levels_kernel`'s loop (two levels), or with LOADS_ONLY its weight loads xored as in
+    `_pattern_kernel`, with the codes and scales read through the tensor memory accelerator
+    (host tensor descriptors of [BLOCK_N, BLOCK_WORDS] codes and [BLOCK_N, groups] scales,
+    which the loop's pipeliner turns into bulk copies into shared memory under mbarriers), in
+    place of a load of 16 bytes a thread. Timing only."""
+    row0 = tl.program_id(0) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    per_group: tl.constexpr = 8
+    step_groups: tl.constexpr = BLOCK_WORDS // per_group
+    acc = tl.zeros([BLOCK_N, step_groups], tl.float32)
+    bits = tl.zeros([BLOCK_N, BLOCK_WORDS], tl.int32)
+    bits_s = tl.zeros([BLOCK_N, step_groups], tl.int32)
+    await_inputs(PDL)
+    for start in tl.range(0, num_words, BLOCK_WORDS, num_stages=STAGES):
+        w = words_desc.load([row0, start])
+        scale = scales_desc.load([row0, start // per_group])
+        if LOADS_ONLY:
+            bits ^= w
+            bits_s ^= scale.to(tl.int16, bitcast=True).to(tl.int32)
+        else:
+            cols = start + tl.arange(0, BLOCK_WORDS)
+            groups = start // per_group + tl.arange(0, step_groups)
+            low, high = groupwise_gemv_triton._signed_nibbles(w)
+            even = tl.load(x_ptr + cols)[None, :]
+            odd = tl.load(x_ptr + num_words + cols)[None, :]
+            sums = groupwise_gemv_triton._quad_chain(low, high, even, odd, True, True, ASM)
+            even = tl.load(x_ptr + 2 * num_words + cols)[None, :]
+            odd = tl.load(x_ptr + 3 * num_words + cols)[None, :]
+            fine = groupwise_gemv_triton._quad_chain(low, high, even, odd, True, True, ASM)
+            sums = sums * 254 + fine
+            group_sums = tl.sum(tl.reshape(sums, [BLOCK_N, step_groups, 2]), axis=2)
+            x_scale = tl.load(xscale_ptr + groups)
+            acc += group_sums.to(tl.float32) * (x_scale[None, :] * scale.to(tl.float32))
+    if LOADS_ONLY:
+        tl.store(out_ptr + rows, tl.xor_sum(bits, 1) ^ tl.xor_sum(bits_s, 1))
+    else:
+        total = tl.sum(acc, axis=1) * 0.0625
+        tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty))
+
+
 # The 27B one-row q4 products: (name, rows, K).
 PATTERN_PRODUCTS = (
     ("gdn q|k|v|z", 16384, 5120),
@@ -227,16 +289,24 @@ PATTERN_TILES = tuple(
 )
 
 
-def gemv_pattern(sms: int, options, copy: float) -> None:
+# Tiles the TMA forms try besides the shipped one: (rows, words a row a step, warps).
+TMA_TILES = ((16, 128, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 8))
+
+
+def gemv_pattern(sms: int, options, copy: float, tma: bool = False) -> None:
     """Each 27B product as shipped, its loads alone in the shipped tiles, the weight's loads
-    at other tiles, and the read floor of its bytes."""
+    at other tiles, and the read floor of its bytes; with `tma`, instead, its plain loop and
+    its weight loads as shipped against the same read through the tensor memory
+    accelerator (`_tma_kernel`), in the shipped tile and in TMA_TILES."""
     print(f"{'product':22} {'form':30} {'rows':>4} {'words':>5} {'warps':>5} {'us':>7} {'copy':>6}")
     for name, n, k in PATTERN_PRODUCTS:
-        _pattern_product(name, n, k, sms, options, copy)
+        _pattern_product(name, n, k, sms, options, copy, tma)
         torch.cuda.empty_cache()
 
 
-def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) -> None:
+def _pattern_product(
+    name: str, n: int, k: int, sms: int, options, copy: float, tma: bool = False
+) -> None:
     q4 = get_format("q4_g64_fp16")
     nbytes = q4.encoded_nbytes((n, k))
     sets = max(2, math.ceil(ROTATE_BYTES / nbytes))
@@ -293,6 +363,56 @@ def _pattern_product(name: str, n: int, k: int, sms: int, options, copy: float) 
 
     rows, words, warps = groupwise_gemv_triton._int_config(n, num_words, 1, x.device)
     report("shipped GEMV", rows, words, warps, median_us(shipped))
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        def through_tma(rows, words, warps, loads_only):
+            descs = [
+                (
+                    TensorDescriptor.from_tensor(
+                        w.planes["codes"].view(torch.int32), [rows, words]
+                    ),
+                    TensorDescriptor.from_tensor(w.planes["scales"], [rows, words // 8]),
+                )
+                for w in weights
+            ]
+            state = {"i": 0}
+
+            def run():
+                codes, scales = descs[state["i"] % sets]
+                state["i"] += 1
+                _tma_kernel[(triton.cdiv(n, rows),)](
+                    codes, scales, split[0], split[2], out if loads_only else result,
+                    num_words, LOADS_ONLY=loads_only, BLOCK_N=rows, BLOCK_WORDS=words,
+                    STAGES=stages, num_warps=warps, **options,
+                )  # fmt: skip
+
+            return median_us(run)
+
+        # the TMA loop computes what the plain loop does (same weight, the shipped tile)
+        plain = torch.empty_like(result)
+        codes, scales = weights[0].planes["codes"].view(torch.int32), weights[0].planes["scales"]
+        grid = (triton.cdiv(n, rows),)
+        _levels_kernel[grid](
+            codes, scales, split[0], split[2], plain, num_words, num_groups, LEVELS=2,
+            BLOCK_N=rows, BLOCK_WORDS=words, STAGES=stages, num_warps=warps, **options,
+        )  # fmt: skip
+        _tma_kernel[grid](
+            TensorDescriptor.from_tensor(codes, [rows, words]),
+            TensorDescriptor.from_tensor(scales, [rows, words // 8]),
+            split[0], split[2], result, num_words, LOADS_ONLY=False, BLOCK_N=rows,
+            BLOCK_WORDS=words, STAGES=stages, num_warps=warps, **options,
+        )  # fmt: skip
+        if not torch.equal(plain, result):
+            raise SystemExit(f"{name}: the TMA loop's output differs from the plain loop's")
+        for tile in ((rows, words, warps), *TMA_TILES):
+            if num_words % tile[1] or n % tile[0]:
+                continue
+            report("product, two levels (plain)", *tile, levels(*tile, 2))
+            report("product, two levels, TMA", *tile, through_tma(*tile, False))
+            report("loads: codes, scales", *tile, pattern(*tile, False))
+            report("loads: codes, scales, TMA", *tile, through_tma(*tile, True))
+        return
     report("product, two levels (plain)", rows, words, warps, levels(rows, words, warps, 2))
     report("product, one level (plain)", rows, words, warps, levels(rows, words, warps, 1))
     report("loads: codes, scales", rows, words, warps, pattern(rows, words, warps, False))
@@ -451,13 +571,18 @@ def main() -> None:
     parser.add_argument(
         "--pattern", action="store_true", help="the 27B one-row q4 products against their floor"
     )
+    parser.add_argument(
+        "--tma",
+        action="store_true",
+        help="the 27B one-row q4 products' loop and loads through the tensor memory accelerator",
+    )
     args = parser.parse_args()
     device = torch.device(DEVICE)
     options = pdl_options(device)
     sms = num_sms(device)
     copy = copy_bandwidth(DEVICE)
-    if args.pattern:
-        gemv_pattern(sms, options, copy)
+    if args.pattern or args.tma:
+        gemv_pattern(sms, options, copy, args.tma)
         return
 
     total, gemv = step_launches(args.shape, args.weights)
