@@ -1,6 +1,7 @@
 """The kernels of bench/per_op_floor.py under Triton's CPU interpreter: the read kernel and the
 loads-only form of the one-row product against the xor of what they must read, and the
-plain loop of the product against the shipped integer GEMV, bit for bit."""
+plain loop of the product against the shipped integer GEMV, bit for bit; the same for the
+blocked-layout and TMA forms."""
 
 from __future__ import annotations
 
@@ -122,3 +123,31 @@ def test_blocked_forms_read_the_tiles_of_a_blocked_layout(floor):
         *args, codes, steps, out, k // 8, k // 64, LEVELS=2, ASM=False, BLOCKED=True, **common
     )
     assert torch.equal(out, groupwise_gemv_triton.integer_linear(x, weight)[0])
+
+
+def test_tma_forms_read_what_the_plain_forms_read(floor):
+    """`_tma_kernel` through host tensor descriptors: its loop bit for bit the shipped product,
+    its loads-only form the xor of its rows' codes and scales."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ninfer.kernels import groupwise_gemv_triton
+
+    n, k, rows, words = 32, 1024, 8, 64
+    weight, x, codes, steps = q4_product(n, k)
+    planes = weight.planes
+    flat_codes = planes["codes"].view(torch.int32)
+    descs = (
+        TensorDescriptor.from_tensor(flat_codes, [rows, words]),
+        TensorDescriptor.from_tensor(planes["scales"], [rows, words // 8]),
+    )
+    common = {"BLOCK_N": rows, "BLOCK_WORDS": words, "STAGES": 3, "PDL": False}
+    out = torch.empty(n, dtype=torch.float16)
+    floor._tma_kernel[(n // rows,)](
+        *descs, codes, steps, out, k // 8, LOADS_ONLY=False, ASM=False, **common
+    )
+    assert torch.equal(out, groupwise_gemv_triton.integer_linear(x, weight)[0])
+    loads = torch.empty(n, dtype=torch.int32)
+    floor._tma_kernel[(n // rows,)](*descs, codes, steps, loads, k // 8, LOADS_ONLY=True, **common)
+    scales = planes["scales"].view(torch.int16).to(torch.int32)
+    for row in range(n):
+        assert loads[row].item() == xor_all(flat_codes[row]) ^ xor_all(scales[row]), row
