@@ -169,8 +169,8 @@ def gdn_seqs_settings() -> None:
     copy = copy_bandwidth(DEVICE)
     q, k, v, x, ba_weight, A_log, dt_bias, states, slot_sets, query_start = _eight_sequences()
     g, beta = gdn_gates_triton.gdn_gates_from_x(x, ba_weight, A_log, dt_bias)
-    z = torch.randn_like(v)
-    weight = torch.ones(v.shape[-1], device=DEVICE, dtype=BF16)
+    inputs = (q, k, v, g, beta, states)
+    norm = (torch.randn_like(v), torch.ones(v.shape[-1], device=DEVICE, dtype=BF16), 1e-6)
     moved = _eight_sequences_moved(states)
     rule = gdn_recurrent_triton
     print(f"{'GDN rule + norm, 8 sequences, 27B, setting':48} {'us':>7} {'of copy':>8}")
@@ -180,20 +180,7 @@ def gdn_seqs_settings() -> None:
     for setting in settings:
         rule.SEQS_SETTING = setting
         calls = [
-            partial(
-                rule.recurrent_gated_delta_rule_normed,
-                q,
-                k,
-                v,
-                g,
-                beta,
-                states,
-                slots,
-                query_start,
-                z,
-                weight,
-                1e-6,
-            )
+            partial(rule.recurrent_gated_delta_rule_normed, *inputs, slots, query_start, *norm)
             for slots in slot_sets
         ]
         us = median_us(rotating(calls))

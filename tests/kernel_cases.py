@@ -172,14 +172,10 @@ def check_gdn_recurrent_normed(
 
 @contextmanager
 def one_sequence_setting(recurrent_module):
-    """Inside, the recurrent kernel launches at several sequences as at one (`MAX_BLOCK_V`,
-    `RECURRENT_WARPS`, no register cap) in place of its `SEQS_SETTING`, so that it reduces
-    in the order of the kernel with the gates inside; modules without the setting (the
-    torch reference) as they are."""
-    setting = getattr(recurrent_module, "SEQS_SETTING", None)
-    if setting is None:
-        yield
-        return
+    """Inside, the recurrent kernel module launches at several sequences as at one
+    (`MAX_BLOCK_V`, `RECURRENT_WARPS`, no register cap) in place of its `SEQS_SETTING`, so
+    that it reduces in the order of the kernel with the gates inside."""
+    setting = recurrent_module.SEQS_SETTING
     one = (recurrent_module.MAX_BLOCK_V, recurrent_module.RECURRENT_WARPS, None)
     recurrent_module.SEQS_SETTING = one
     try:
@@ -205,9 +201,9 @@ def check_gdn_recurrent_from_x(
     against the two launches it replaces, `gates_module.gdn_gates_from_x` then
     `recurrent_module.recurrent_gated_delta_rule` at the one-sequence launch setting: outputs
     and states equal bit for bit (one dot-product helper, one gate arithmetic and one warp
-    layout, so one summation order; a failure says how far apart they are). Against the torch reference (its own b|a
-    product, whose rounding may differ by a step, then the gates and the rule) outputs and
-    states within `tol`. x's rows strided; slots in descending order past two spare ones,
+    layout, so one summation order; a failure says how far apart they are). Against the
+    torch reference (its own b|a product, whose rounding may differ by a step, then the gates
+    and the rule) outputs and states within `tol`. x's rows strided; slots in descending order past two spare ones,
     which must stay exactly as they were."""
     q, k, v, _, _, states, _, query_start = gdn_inputs(
         query_lens, num_key_heads, num_value_heads, key_dim, value_dim, dtype, device, 2.0

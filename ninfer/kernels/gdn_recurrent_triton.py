@@ -58,7 +58,7 @@ RECURRENT_WARPS = 4
 # of the 27B step's form (the output norm folded) takes 184 registers and two fit an SM; capped
 # at 160, three fit without a spill. Timed alone on the GPU machine, eight 27B sequences, fp32
 # states beyond the L2: 19.05 us uncapped, 17.88 at (64, 4, 160), 17.58 at (32, 2, 160); the
-# 27B q4 C=8 step 6.80 -> 6.71 ms (docs/performance.md, Measurement 32).
+# 27B q4 C=8 step 6.80-6.81 -> 6.71-6.73 ms (docs/performance.md, Measurement 32).
 SEQS_SETTING: tuple[int, int, int | None] = (32, 2, 160)
 
 

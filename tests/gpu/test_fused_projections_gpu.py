@@ -105,8 +105,6 @@ def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatc
         "recurrent_gated_delta_rule_from_x",
         lambda *args: taken.append(1) or rule_from_x(*args),
     )
-    from ninfer.kernels import gdn_recurrent_triton
-
     in_rule = gated_deltanet.GATES_IN_RULE_MAX_TOKENS
     monkeypatch.setattr(
         gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", gated_deltanet.GATES_FROM_X_MAX_TOKENS
@@ -115,6 +113,8 @@ def test_gdn_decode_step_with_the_gates_in_the_rule_keeps_its_outputs(monkeypatc
     assert taken == [1]
     monkeypatch.setattr(gated_deltanet, "GATES_IN_RULE_MAX_TOKENS", in_rule)
     if tokens > in_rule:
+        from ninfer.kernels import gdn_recurrent_triton
+
         with one_sequence_setting(gdn_recurrent_triton):  # one summation order
             apart, apart_states = step()
         assert taken == [1]
