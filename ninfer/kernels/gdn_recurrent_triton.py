@@ -32,7 +32,7 @@ from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
 from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
 from ninfer.kernels.groupwise_gemv_triton import split_block, tile_counters
 from ninfer.kernels.norm_fold import HeadNormedRows
-from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
@@ -53,6 +53,10 @@ STATE_FIRST_MAX_SEQS = 1
 # Measurement 30).
 NORM_LAST_MAX_BLOCKS = 4
 RECURRENT_WARPS = 4
+# The state tile stored before the arrival count of the output norm (`NORM_LAST`), not after
+# the head's last block has run the norm: the count's fence then waits for the state's stores
+# with o's, in one round trip, and no program ends on a state store issued after the count.
+STATE_BEFORE_COUNT = tl.constexpr(True)
 # ... and at several sequences with the gates given (a decode step of several lanes): (widest
 # column block, warps, register cap or None). Uncapped at 64 columns and four warps, a program
 # of the 27B step's form (the output norm folded) takes 184 registers and two fit an SM; capped
@@ -200,6 +204,8 @@ def _recurrent_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=col_mask,
         )
+    if STATE_BEFORE_COUNT:
+        tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
     if NORM_LAST:  # one token: the head's last block to arrive runs its output norm
         tl.debug_barrier()  # every thread's part of o is written before the arrival counts
         counter = counters_ptr + value_head
@@ -222,8 +228,9 @@ def _recurrent_kernel(
                 SPLIT_BITS,
                 SPLIT_GROUP,
             )
-            tl.atomic_xchg(counter, 0)
-    tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
+            tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
+    if not STATE_BEFORE_COUNT:
+        tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit

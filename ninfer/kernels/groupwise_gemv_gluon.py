@@ -55,7 +55,7 @@ import triton
 
 from ninfer.kernels.gdn_gates_triton import _log_decay  # a Triton function Gluon calls as is
 from ninfer.kernels.norm_fold import SQUARE_COLUMNS, HeadNormedRows, NormAfter, NormedRows
-from ninfer.kernels.pdl_triton import pdl_options
+from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, pdl_options
 from ninfer.kernels.triton_support import device_name, num_sms
 from ninfer.quant import EncodedTensor
 
@@ -854,7 +854,7 @@ sub.rn.bf16x2 $3, p3, bias;
                             _fold_out(total, out_ptr, fold, at, mask, x_rows, pid_n)
                         else:
                             gl.store(out_ptr + at, total.to(gl.bfloat16), mask=mask)
-                        gl.atomic_xchg(counter, 0)
+                        gl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
                 elif FOLD:
                     _fold_out(acc, out_ptr, fold, at, mask, x_rows, pid_n)
                 elif CONV:

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels import groupwise_gemv_gluon
-from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, await_inputs, pdl_options
 from ninfer.kernels.triton_support import device_name, next_power_of_2, num_sms
 from ninfer.kernels.x_split import (
     INT_FORMATS,
@@ -333,7 +333,7 @@ def _groupwise_gemv_kernel(
                     partial_ptr + s * M * N + at, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
             tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter, 0)
+            tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
     else:  # the result, or (split-K without counters) this split's partial
         tl.store(out_ptr + split * M * N + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 

@@ -31,7 +31,7 @@ from ninfer.kernels.groupwise_gemv_triton import tile_counters
 from ninfer.kernels.moe_router import check_router
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_route, route_token
-from ninfer.kernels.pdl_triton import await_inputs, pdl_options
+from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, await_inputs, pdl_options
 from ninfer.kernels.rms_norm_triton import norm_part, rms_norm
 from ninfer.kernels.triton_support import next_power_of_2
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
@@ -159,7 +159,7 @@ def _moe_router_route_kernel(
                 SHARED,
             )
         if COUNT:
-            tl.atomic_xchg(counter, 0)
+            tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
     if NORM:
         if tl.program_id(1) * SPLIT_BLOCK_G * SPLIT_GROUP < HIDDEN:
             norm_part(

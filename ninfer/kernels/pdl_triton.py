@@ -40,6 +40,13 @@ READ_BEFORE_WAIT = {
     "experts' down product's pair lists (written by the routing two kernels back)",
 }
 
+# The memory order of an arrival counter's reset by the last program to arrive (the split-K
+# products, the fused router, the GDN output norm). Nothing in the kernel reads the counter
+# after it, and the next kernel that uses it waits for this one to end, which makes every
+# write visible, so the reset needs no fence. Ordered (acq_rel, Triton's default), it held the
+# last program until its result stores were acknowledged.
+COUNTER_RESET_SEM = tl.constexpr("relaxed")
+
 
 @triton.jit
 def await_inputs(PDL: tl.constexpr):
