@@ -1331,10 +1331,23 @@ def tile_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's zeroed arrival counters, or None where there are too few or they would be
     allocated inside a graph capture (then the caller takes a path without them: here the
     splits' partials are summed by torch)."""
-    counters = _counters.get(device)
-    if counters is None:
+    return zeroed_once(_counters, device, TILE_COUNTERS, torch.int32, needed)
+
+
+def zeroed_once(
+    held: dict[torch.device, torch.Tensor],
+    device: torch.device,
+    size: int,
+    dtype: torch.dtype,
+    needed: int,
+) -> torch.Tensor | None:
+    """`held`'s zeroed tensor of `size` for the device, made on first use and kept (graphs keep
+    its address; the kernels using it leave it at zero), or None where `needed` exceeds it or
+    it would be made inside a graph capture."""
+    tensor = held.get(device)
+    if tensor is None:
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if needed > TILE_COUNTERS or capturing:
+        if needed > size or capturing:
             return None
-        counters = _counters[device] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
-    return counters if needed <= TILE_COUNTERS else None
+        tensor = held[device] = torch.zeros(size, dtype=dtype, device=device)
+    return tensor if needed <= size else None

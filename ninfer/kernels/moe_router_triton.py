@@ -4,13 +4,22 @@ the shared expert's gate, then the routing kernel of `moe_routing_triton`, took 
 
 Program (t, b) computes the dot products of x[t] with its block of router rows as the GDN
 gates' kernels do (`gdn_gates_triton._x_dot_rows`: fp32 sums rounded to x's dtype, as F.linear's
-output is) and stores them into token t's row of logits; then it bumps t's arrival counter,
-and the program that arrives last routes the token on the whole row (`route_token`, the
-routing kernel's own code) and resets the counter. The counters, and the order of stores,
-barrier and atomic, are the split-K GEMV's (`groupwise_gemv_triton.tile_counters`); where they
-cannot be had (first asked for inside a graph capture) the product and the routing run as two
-launches. The fp32 summation order is not cuBLAS's, so a logit can differ from the unfused
-path's in its last bit, and the chosen experts then differ at near-ties only.
+output is) and stores them into token t's row of logits. Token t's last program routes it on
+the whole row (`route_token`, the routing kernel's own code) once every expert's logit is in:
+- with the mailbox (`ROUTE_MAILBOX`), each program also writes its experts' logits into t's
+  row of a mailbox kept at zero, each as one 64-bit word of the logit's bits and a mark, and
+  the last program by index polls the row until every word is marked, routes on the logits
+  the words carry and zeroes the row. The last logit's store then reaches the routing in about
+  one memory round trip;
+- else each program bumps t's arrival counter and the program that arrives last reads the row
+  back and resets the counter: a fence, the atomic and the read are three round trips. The
+  counters, and the order of stores, barrier and atomic, are the split-K GEMV's
+  (`groupwise_gemv_triton.tile_counters`).
+Where neither can be had (first asked for inside a graph capture) the product and the routing
+run as two launches. On the H200 the mailbox took the 35B-A3B q4 C=1 decode step from
+1.64-1.65 to 1.60 ms (docs/performance.md, Measurement 33). The fp32 summation order is not
+cuBLAS's, so a logit can differ from the unfused path's in its last bit, and the chosen
+experts then differ at near-ties only.
 
 `moe_norm_router_route` also runs the RMSNorm(+residual) before the MoE block in the same
 kernel: one launch fewer per MoE layer (the 35B-A3B C=1 decode step 1.84 -> 1.79-1.80 ms on the
@@ -27,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.gdn_gates_triton import _x_dot_rows
-from ninfer.kernels.groupwise_gemv_triton import tile_counters
+from ninfer.kernels.groupwise_gemv_triton import tile_counters, zeroed_once
 from ninfer.kernels.moe_router import check_router
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_route, route_token
@@ -52,6 +61,12 @@ NORM_PART_GROUPS = 16
 # kernel, then the router.
 NORM_MAX_HIDDEN = 4096
 ALL_STAGES = (True, True, True)
+# The routing waits on a mailbox, not an arrival counter (above). A poller spins only on
+# programs that wait on nothing, so it cannot hold back what it waits for; the highest index
+# also runs last under Triton's interpreter, which runs programs one by one in order.
+ROUTE_MAILBOX = True
+MAILBOX_WORDS = 1 << 16
+_mailboxes: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -60,6 +75,7 @@ def _moe_router_route_kernel(
     w_ptr,
     logits_ptr,
     counters_ptr,
+    mailbox_ptr,
     weights_ptr,
     experts_ptr,
     pair_tokens_ptr,
@@ -89,6 +105,7 @@ def _moe_router_route_kernel(
     DOTS: tl.constexpr,
     COUNT: tl.constexpr,
     ROUTE: tl.constexpr,
+    MAILBOX: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
@@ -130,7 +147,16 @@ def _moe_router_route_kernel(
         dots = _x_dot_rows(x_row, w_rows, row_mask, HIDDEN, BLOCK_ROWS, BLOCK_K)
         tl.store(logits_row + rows, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
     counter = counters_ptr + token
-    if COUNT:
+    mailbox_row = mailbox_ptr + token.to(tl.int64) * num_experts
+    if MAILBOX:  # (with all three stages)
+        # the logit as stored, widened to fp32, in the high half; the mark in the low one
+        bits = dots.to(logits_ptr.dtype.element_ty).to(tl.float32).to(tl.int32, bitcast=True)
+        word = (bits.to(tl.int64) << 32) | 1
+        tl.atomic_xchg(
+            mailbox_row + rows, word, mask=row_mask & (rows < num_experts), sem="relaxed"
+        )
+        last = tl.program_id(1) == tl.num_programs(1) - 1
+    elif COUNT:
         tl.debug_barrier()  # every thread's logits are written before the arrival counts
         last = tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(1) - 1
     else:
@@ -138,10 +164,20 @@ def _moe_router_route_kernel(
     if last:
         if ROUTE:
             ids = tl.arange(0, BLOCK_E)
-            # .cg reads from L2, where the other programs' logits are
-            logits = tl.load(
-                logits_row + ids, mask=ids < num_experts, other=float("-inf"), cache_modifier=".cg"
-            ).to(tl.float32)
+            experts = ids < num_experts
+            if MAILBOX:
+                box = mailbox_row + ids
+                words = tl.load(box, mask=experts, other=1, volatile=True)
+                while tl.min((words & 1).to(tl.int32), axis=0) == 0:
+                    words = tl.load(box, mask=experts, other=1, volatile=True)
+                tl.store(box, tl.zeros_like(words), mask=experts)  # for the next call
+                carried = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                logits = tl.where(experts, carried, float("-inf"))
+            else:
+                # .cg reads from L2, where the other programs' logits are
+                logits = tl.load(
+                    logits_row + ids, mask=experts, other=float("-inf"), cache_modifier=".cg"
+                ).to(tl.float32)
             route_token(
                 logits,
                 token,
@@ -158,7 +194,7 @@ def _moe_router_route_kernel(
                 BLOCK_E,
                 SHARED,
             )
-        if COUNT:
+        if COUNT and not MAILBOX:
             tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
     if NORM:
         if tl.program_id(1) * SPLIT_BLOCK_G * SPLIT_GROUP < HIDDEN:
@@ -286,12 +322,18 @@ def _launch(
         norm = (x, 0, x, 0.0, x, x, x, x, x)
         norm_constants = {"NORM": False, "BLOCK_H": 1, "SPLIT_BITS": 0, "SPLIT_GROUP": 1}
         norm_constants["SPLIT_BLOCK_G"] = 1
+    mailbox = None
+    if ROUTE_MAILBOX and stages == ALL_STAGES:
+        mailbox = zeroed_once(
+            _mailboxes, x.device, MAILBOX_WORDS, torch.int64, tokens * num_experts
+        )
     if tokens:
         _moe_router_route_kernel[(tokens, triton.cdiv(num_rows, ROWS_PER_PROGRAM))](
             x,
             router_weight,
             logits,
             counters,
+            counters if mailbox is None else mailbox,
             *routes,
             num_rows,
             num_experts,
@@ -309,6 +351,7 @@ def _launch(
             DOTS=stages[0],
             COUNT=stages[1],
             ROUTE=stages[2],
+            MAILBOX=mailbox is not None,
             **norm_constants,
             num_warps=ROUTE_WARPS,
             **pdl_options(x.device),

@@ -3,8 +3,9 @@ interpreter on tiny shapes against F.linear and the routing reference, fp16 here
 (tests/triton_interpreter.py says why). `kernel_cases.check_moe_router_route` states what is
 compared: the logits within one rounding of F.linear's (the summation orders differ), the
 routes exactly those of the kernel's own logits, and the unfused path's experts away from
-near-ties. The last program of a token to arrive routes it and leaves its counter at zero, so
-a second call reuses the counters; without counters (none yet inside a graph capture) the
+near-ties. The token's last program routes it once its mailbox row is full (or, with the
+mailbox off, the last to arrive at its counter), and leaves the row (the counter) at zero, so
+a second call reuses them, and both give the same bits; without counters (none yet inside a graph capture) the
 product and the routing run as two launches. With the norm before the block inside
 (`moe_norm_router_route`), its outputs are the norm kernel's and the logits and routes those
 of the router on them (up to the logits' summation order); rows wider than one warp holds take
@@ -65,6 +66,36 @@ def test_router_route_matches_the_product_and_the_routing(
         CPU,
     )
     assert not counters[CPU].any()
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["router", "norm-inside"])
+def test_the_mailbox_routes_as_the_counter_and_is_left_at_zero(router, counters, norm):
+    """The routing waiting on the mailbox (`ROUTE_MAILBOX`) gives the counter path's routes
+    and logits bit for bit, leaves the mailbox at zero for the next call, and leaves the
+    counters untouched; with the mailbox off the counters are used and reset."""
+    x, residual = torch.randn(2, 3, 200).to(DTYPE)
+    norm_weight = torch.randn(200).to(DTYPE)
+    weight = (torch.randn(41, 200) * 200**-0.5).to(DTYPE)
+
+    def call():
+        if norm:
+            return router.moe_norm_router_route(
+                x, residual, norm_weight, 1e-6, weight, 40, 8, 10, 20, True
+            )[:2]
+        return router.moe_router_route(x, weight, 40, 8, 10, 20, True)
+
+    routes, logits = call()
+    mailbox = router._mailboxes[CPU]
+    assert not mailbox.any() and not counters[CPU].any()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(router, "ROUTE_MAILBOX", False)
+        counted, counted_logits = call()
+    assert not counters[CPU].any() and not mailbox.any()
+    assert torch.equal(logits, counted_logits)
+    assert all(torch.equal(a, b) for a, b in zip(routes, counted, strict=True))
+    again, _ = call()  # the same mailbox, zero again
+    assert router._mailboxes[CPU] is mailbox and not mailbox.any()
+    assert all(torch.equal(a, b) for a, b in zip(routes, again, strict=True))
 
 
 def test_a_second_call_reuses_the_reset_counters(router, counters):
