@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ninfer.kernels.gdn_gates_triton import BLOCK_K as HIDDEN_BLOCK
 from ninfer.kernels.gdn_gates_triton import _log_decay, _x_dot_rows
-from ninfer.kernels.groupwise_gemv_triton import split_block, tile_counters
+from ninfer.kernels.groupwise_gemv_triton import split_block, tile_counters, zeroed_once
 from ninfer.kernels.norm_fold import HeadNormedRows
 from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, await_inputs, pdl_options
 from ninfer.kernels.triton_support import next_power_of_2, num_sms
@@ -57,6 +57,17 @@ RECURRENT_WARPS = 4
 # the head's last block has run the norm: the count's fence then waits for the state's stores
 # with o's, in one round trip, and no program ends on a state store issued after the count.
 STATE_BEFORE_COUNT = tl.constexpr(True)
+# The head's last block by index runs the output norm once the head's o is in a mailbox (each
+# value's 16 bits over a mark, one 32-bit word, zeroed again by that block), as the fused MoE
+# router waits for its logits (`moe_router_triton`); else the last block to arrive at the
+# head's counter reads o back. The mailbox spares the counter's fence and atomic and the
+# read-back: about two memory round trips at the end of the kernel. On the GPU machine the
+# 27B q4 C=1 step 5.08-5.09 -> 5.07 ms (docs/performance.md, Measurement 33); at 35B-A3B's
+# eight blocks a head the norm stays apart (`NORM_LAST_MAX_BLOCKS`), no faster in the kernel
+# with the mailbox either (1.61 ms both ways).
+NORM_MAILBOX = True
+NORM_MAILBOX_WORDS = 1 << 16
+_mailboxes: dict[torch.device, torch.Tensor] = {}
 # ... and at several sequences with the gates given (a decode step of several lanes): (widest
 # column block, warps, register cap or None). Uncapped at 64 columns and four warps, a program
 # of the 27B step's form (the output norm folded) takes 184 registers and two fit an SM; capped
@@ -106,6 +117,7 @@ def _recurrent_kernel(
     squares_ptr,
     normed_ptr,
     counters_ptr,
+    mailbox_ptr,
     norm_eps,
     xq_ptr,
     corr_ptr,
@@ -119,6 +131,7 @@ def _recurrent_kernel(
     STATE_FIRST: tl.constexpr,
     FOLD_NORM: tl.constexpr,
     NORM_LAST: tl.constexpr,
+    MAILBOX: tl.constexpr,
     ROUND_SCALED: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
@@ -204,14 +217,51 @@ def _recurrent_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=col_mask,
         )
+        if MAILBOX:  # (NORM_LAST: one token) o as stored, over a mark
+            stored = out.to(out_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
+            word = (stored.to(tl.int32) << 16) | 1
+            box = mailbox_ptr + value_head * value_dim + cols
+            tl.atomic_xchg(box, word, mask=col_mask, sem="relaxed")
     if STATE_BEFORE_COUNT:
         tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
-    if NORM_LAST:  # one token: the head's last block to arrive runs its output norm
+    dims = tl.arange(0, BLOCK_D)
+    head_dims = dims < value_dim
+    if MAILBOX:  # one token: the head's last block by index runs its output norm
+        if tl.program_id(2) == tl.num_programs(2) - 1:
+            box = mailbox_ptr + value_head * value_dim + dims
+            words = tl.load(box, mask=head_dims, other=1, volatile=True)
+            while tl.min(words & 1, axis=0) == 0:
+                words = tl.load(box, mask=head_dims, other=1, volatile=True)
+            tl.store(box, tl.zeros_like(words), mask=head_dims)  # for the next call
+            o = (words >> 16).to(tl.int16).to(out_ptr.dtype.element_ty, bitcast=True)
+            _head_norm(
+                o.to(tl.float32),
+                z_ptr + begin * stride_zt + value_head * stride_zh,
+                norm_weight_ptr,
+                normed_ptr,
+                begin,
+                value_head,
+                num_value_heads,
+                value_dim,
+                norm_eps,
+                xq_ptr,
+                corr_ptr,
+                xscale_ptr,
+                ROUND_SCALED,
+                BLOCK_D,
+                SPLIT_BITS,
+                SPLIT_GROUP,
+            )
+    elif NORM_LAST:  # one token: the head's last block to arrive runs its output norm
         tl.debug_barrier()  # every thread's part of o is written before the arrival counts
         counter = counters_ptr + value_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            # .cg reads from L2, where the head's other blocks wrote theirs
+            o_row = out_ptr + begin * stride_ot + value_head * stride_oh
             _head_norm(
-                out_ptr + begin * stride_ot + value_head * stride_oh,
+                tl.load(o_row + dims, mask=head_dims, other=0.0, cache_modifier=".cg").to(
+                    tl.float32
+                ),
                 z_ptr + begin * stride_zt + value_head * stride_zh,
                 norm_weight_ptr,
                 normed_ptr,
@@ -235,7 +285,7 @@ def _recurrent_kernel(
 
 @triton.jit
 def _head_norm(
-    o_ptr,
+    o,
     z_ptr,
     weight_ptr,
     normed_ptr,
@@ -253,12 +303,11 @@ def _head_norm(
     SPLIT_GROUP: tl.constexpr,
 ):
     """One head's GDN output norm of one token, as `gated_rms_norm_triton` computes it (the
-    same roundings), from o as the rule stored it (read through L2, where the head's other
-    blocks wrote theirs), written to row `token` of normed [tokens, heads * dim] with its
-    integer-GEMV codes (SPLIT_BITS 0: none)."""
+    same roundings), from o [BLOCK_D] as the rule stored it (in fp32; zeros past dim), written
+    to row `token` of normed [tokens, heads * dim] with its integer-GEMV codes (SPLIT_BITS 0:
+    none)."""
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
-    o = tl.load(o_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     z = tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = normed_ptr.dtype.element_ty
     inv_rms = tl.rsqrt(tl.sum(o * o, axis=0) / dim + eps)
@@ -385,8 +434,9 @@ def recurrent_gated_delta_rule_from_x_normed(
     split: SplitRequest | None = None,
 ) -> torch.Tensor | None:
     """`recurrent_gated_delta_rule_from_x` at one token, followed by the GDN output norm in the
-    same kernel: each head's column block that arrives last at the head's counter runs the
-    norm of the head's o (`_head_norm`), so the norm's launch goes. Returns the norm's output
+    same kernel: each head's last column block runs the norm of the head's o (`_head_norm`),
+    once the head's o is in its mailbox (`NORM_MAILBOX`), or the block that arrives last at
+    the head's counter does, so the norm's launch goes. Returns the norm's output
     [1, Hv, dv] with the codes `split` asks for attached, bit for bit what
     `gated_rms_norm_triton.gated_rms_norm` gives for the rule's o; None where it does not take
     the step (a head in more than `NORM_LAST_MAX_BLOCKS` column blocks, more than one token,
@@ -395,6 +445,9 @@ def recurrent_gated_delta_rule_from_x_normed(
     and the norm apart."""
     heads, dim = v.shape[1], v.shape[2]
     counters = tile_counters(v.device, heads)
+    mailbox = None
+    if NORM_MAILBOX and v.element_size() == 2:  # a 16-bit o fits a word with its mark
+        mailbox = zeroed_once(_mailboxes, v.device, NORM_MAILBOX_WORDS, torch.int32, heads * dim)
     blocks = triton.cdiv(dim, _block_v(state_slots.shape[0], heads, dim, v.device))
     if (
         blocks > NORM_LAST_MAX_BLOCKS
@@ -410,7 +463,7 @@ def recurrent_gated_delta_rule_from_x_normed(
     buffers = None
     if next_power_of_2(dim) == dim:
         buffers = producer_buffers(split, 1, heads * dim, v.device, dim)
-    norm_last = (z, norm_weight.contiguous(), eps, normed, counters, split, buffers)
+    norm_last = (z, norm_weight.contiguous(), eps, normed, counters, mailbox, split, buffers)
     recurrent_gated_delta_rule_from_x(
         q, k, v, x, ba_weight, A_log, dt_bias, states, state_slots, query_start, norm_last
     )
@@ -459,10 +512,10 @@ def _launch(
         if value_dim % block_v:
             raise ValueError(f"column blocks of {block_v} do not tile a head of {value_dim}")
         squares = torch.empty(v.shape[0], num_value_heads, blocks, device=v.device)
-    normed = counters = out
+    normed = counters = mailbox = out
     norm_eps, round_scaled, split, buffers = 0.0, False, None, None
     if norm_last is not None:
-        z, norm_weight, norm_eps, normed, counters, split, buffers = norm_last
+        z, norm_weight, norm_eps, normed, counters, mailbox, split, buffers = norm_last
         round_scaled = torch.promote_types(norm_weight.dtype, v.dtype) == v.dtype
     split_args, split_constants = split_launch_args(split, buffers, out, value_dim)
     if num_seqs == 0 or v.shape[0] == 0:
@@ -508,6 +561,7 @@ def _launch(
         squares,
         normed,
         counters,
+        counters if mailbox is None else mailbox,
         norm_eps,
         *split_args,
         RATIO=num_value_heads // q.shape[1],
@@ -519,6 +573,7 @@ def _launch(
         STATE_FIRST=num_seqs <= STATE_FIRST_MAX_SEQS,
         FOLD_NORM=fold is not None,
         NORM_LAST=norm_last is not None,
+        MAILBOX=norm_last is not None and mailbox is not None,
         ROUND_SCALED=round_scaled,
         BLOCK_D=next_power_of_2(value_dim),
         **split_constants,

@@ -47,23 +47,29 @@ def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
     )
 
 
+@pytest.mark.parametrize("mailbox", [True, False], ids=["mailbox", "counter"])
 @pytest.mark.parametrize("value_heads", [2, 4], ids=["4-blocks-a-head", "2-blocks-a-head"])
 @pytest.mark.parametrize("split", [None, (4, 64), (8, 32)], ids=["no-codes", "q4", "q8"])
 @pytest.mark.parametrize(
     "dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
 )
 def test_output_norm_in_the_rule_gives_the_two_launches_bit_for_bit(
-    interpreted, value_heads, split, dtype
+    interpreted, value_heads, split, dtype, mailbox, monkeypatch
 ):
-    """At one token each head's last column block to arrive runs the output norm
-    (`recurrent_gated_delta_rule_from_x_normed`): the norm kernel's output and codes, the
-    same states, for one head's columns split over four or two programs (the interpreter's
-    eight SMs narrow the blocks to 16 or 32 of 64 columns)."""
+    """At one token each head's last column block runs the output norm
+    (`recurrent_gated_delta_rule_from_x_normed`) once the head's o is in its mailbox (a
+    16-bit o; fp32 takes the counter) or, with the mailbox off, the last block to arrive at
+    the head's counter does: the norm kernel's output and codes, the same states, for one
+    head's columns split over four or two programs (the interpreter's eight SMs narrow the
+    blocks to 16 or 32 of 64 columns). The mailbox and the counters are left at zero."""
+    from ninfer.kernels.groupwise_gemv_triton import _counters
     from ninfer.kernels.x_split import SplitRequest
 
+    module = interpreted("gdn_recurrent_triton")
+    monkeypatch.setattr(module, "NORM_MAILBOX", mailbox)
     request = SplitRequest(*split, 1) if split else None
     check_gdn_recurrent_from_x_normed(
-        interpreted("gdn_recurrent_triton"),
+        module,
         interpreted("gated_rms_norm_triton"),
         1,
         value_heads,
@@ -74,6 +80,10 @@ def test_output_norm_in_the_rule_gives_the_two_launches_bit_for_bit(
         dtype,
         "cpu",
     )
+    used = mailbox and dtype == torch.float16
+    assert (torch.device("cpu") in module._mailboxes) == used
+    assert not any(box.any() for box in module._mailboxes.values())
+    assert not _counters[torch.device("cpu")].any()
 
 
 def test_output_norm_left_to_its_kernel_past_the_block_limit(interpreted):
