@@ -290,11 +290,22 @@ def gdn_state_traffic() -> None:
     print(f"{'torch copy of as many bytes':48} {us:7.2f} {moved / (us * 1e-6) / copy:8.0%}")
 
 
+def _without_route_mailbox(route, *args):
+    """`route(*args)` with the fused router's routing waiting on its arrival counter."""
+    moe_router_triton.ROUTE_MAILBOX = False
+    try:
+        return route(*args)
+    finally:
+        moe_router_triton.ROUTE_MAILBOX = True
+
+
 def router_stages() -> None:
-    """35B-A3B's fused router at one token, stage by stage: the kernel with all its stages, then
-    with some left out (the dots, the arrival counter, the routing), the routing kernel alone
-    on given logits and cuBLAS's product alone. Where the kernel's time goes
-    (docs/performance.md, Measurement 15: 6.7 us per MoE layer in the step)."""
+    """35B-A3B's fused router at one token, stage by stage: the kernel with all its stages
+    (the routing waiting on the mailbox as shipped, then on the arrival counter), then with
+    some left out (the dots, the arrival counter, the routing), the routing kernel alone on
+    given logits and cuBLAS's product alone. Where the kernel's time goes
+    (docs/performance.md, Measurement 15: 6.7 us per MoE layer in the step; Measurement 33
+    for the mailbox)."""
     hidden, experts, top_k = 2048, 256, 8
     x = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
     routers = [
@@ -314,6 +325,14 @@ def router_stages() -> None:
         names = [n for n, on in zip(("dots", "counter", "routing"), stages, strict=True) if on]
         label = ", ".join(names) or "nothing (the launch)"
         route = partial(moe_router_triton.moe_router_route, x, stages=stages)
+        if all(stages):  # the shipped kernel, then the same on the counter
+            rows.append(
+                (
+                    "dots, mailbox, routing (shipped)",
+                    lambda w, route=route: route(w, experts, top_k, 0, experts, True),
+                )
+            )
+            route = partial(_without_route_mailbox, route)
         rows.append((label, lambda w, route=route: route(w, experts, top_k, 0, experts, True)))
     rows.append(
         (
