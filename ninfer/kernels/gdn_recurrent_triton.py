@@ -224,16 +224,27 @@ def _recurrent_kernel(
             tl.atomic_xchg(box, word, mask=col_mask, sem="relaxed")
     if STATE_BEFORE_COUNT:
         tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
-    dims = tl.arange(0, BLOCK_D)
-    head_dims = dims < value_dim
-    if MAILBOX:  # one token: the head's last block by index runs its output norm
-        if tl.program_id(2) == tl.num_programs(2) - 1:
-            box = mailbox_ptr + value_head * value_dim + dims
-            words = tl.load(box, mask=head_dims, other=1, volatile=True)
-            while tl.min(words & 1, axis=0) == 0:
+    if NORM_LAST:  # one token: the head's last block runs its output norm
+        counter = counters_ptr + value_head
+        if MAILBOX:  # the last by index, once the head's o is in its mailbox
+            runs = tl.program_id(2) == tl.num_programs(2) - 1
+        else:  # the last to arrive at the head's counter
+            tl.debug_barrier()  # every thread's part of o is written before the arrival counts
+            runs = tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1
+        if runs:
+            dims = tl.arange(0, BLOCK_D)
+            head_dims = dims < value_dim
+            if MAILBOX:
+                box = mailbox_ptr + value_head * value_dim + dims
                 words = tl.load(box, mask=head_dims, other=1, volatile=True)
-            tl.store(box, tl.zeros_like(words), mask=head_dims)  # for the next call
-            o = (words >> 16).to(tl.int16).to(out_ptr.dtype.element_ty, bitcast=True)
+                while tl.min(words & 1, axis=0) == 0:
+                    words = tl.load(box, mask=head_dims, other=1, volatile=True)
+                tl.store(box, tl.zeros_like(words), mask=head_dims)  # for the next call
+                o = (words >> 16).to(tl.int16).to(out_ptr.dtype.element_ty, bitcast=True)
+            else:
+                # .cg reads from L2, where the head's other blocks wrote theirs
+                o_row = out_ptr + begin * stride_ot + value_head * stride_oh
+                o = tl.load(o_row + dims, mask=head_dims, other=0.0, cache_modifier=".cg")
             _head_norm(
                 o.to(tl.float32),
                 z_ptr + begin * stride_zt + value_head * stride_zh,
@@ -252,33 +263,8 @@ def _recurrent_kernel(
                 SPLIT_BITS,
                 SPLIT_GROUP,
             )
-    elif NORM_LAST:  # one token: the head's last block to arrive runs its output norm
-        tl.debug_barrier()  # every thread's part of o is written before the arrival counts
-        counter = counters_ptr + value_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            # .cg reads from L2, where the head's other blocks wrote theirs
-            o_row = out_ptr + begin * stride_ot + value_head * stride_oh
-            _head_norm(
-                tl.load(o_row + dims, mask=head_dims, other=0.0, cache_modifier=".cg").to(
-                    tl.float32
-                ),
-                z_ptr + begin * stride_zt + value_head * stride_zh,
-                norm_weight_ptr,
-                normed_ptr,
-                begin,
-                value_head,
-                num_value_heads,
-                value_dim,
-                norm_eps,
-                xq_ptr,
-                corr_ptr,
-                xscale_ptr,
-                ROUND_SCALED,
-                BLOCK_D,
-                SPLIT_BITS,
-                SPLIT_GROUP,
-            )
-            tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
+            if not MAILBOX:
+                tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
     if not STATE_BEFORE_COUNT:
         tl.store(state_ptrs, state.to(states_ptr.dtype.element_ty), mask=tile_mask)
 
