@@ -64,7 +64,8 @@ STATE_BEFORE_COUNT = tl.constexpr(True)
 # read-back: about two memory round trips at the end of the kernel. On the GPU machine the
 # 27B q4 C=1 step 5.08-5.09 -> 5.07 ms (docs/performance.md, Measurement 33); at 35B-A3B's
 # eight blocks a head the norm stays apart (`NORM_LAST_MAX_BLOCKS`), no faster in the kernel
-# with the mailbox either (1.61 ms both ways).
+# with the mailbox either (1.61 ms both ways). Like the counters, a device's mailbox serves
+# one kernel at a time.
 NORM_MAILBOX = True
 NORM_MAILBOX_WORDS = 1 << 16
 _mailboxes: dict[torch.device, torch.Tensor] = {}

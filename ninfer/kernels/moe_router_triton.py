@@ -63,7 +63,8 @@ NORM_MAX_HIDDEN = 4096
 ALL_STAGES = (True, True, True)
 # The routing waits on a mailbox, not an arrival counter (above). A poller spins only on
 # programs that wait on nothing, so it cannot hold back what it waits for; the highest index
-# also runs last under Triton's interpreter, which runs programs one by one in order.
+# also runs last under Triton's interpreter, which runs programs one by one in order. Like
+# the counters, a device's mailbox serves one kernel at a time (the engine's one stream).
 ROUTE_MAILBOX = True
 MAILBOX_WORDS = 1 << 16
 _mailboxes: dict[torch.device, torch.Tensor] = {}

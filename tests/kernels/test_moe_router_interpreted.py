@@ -5,8 +5,8 @@ compared: the logits within one rounding of F.linear's (the summation orders dif
 routes exactly those of the kernel's own logits, and the unfused path's experts away from
 near-ties. The token's last program routes it once its mailbox row is full (or, with the
 mailbox off, the last to arrive at its counter), and leaves the row (the counter) at zero, so
-a second call reuses them, and both give the same bits; without counters (none yet inside a graph capture) the
-product and the routing run as two launches. With the norm before the block inside
+a second call reuses them, and both give the same bits; without counters (none yet inside a
+graph capture) the product and the routing run as two launches. With the norm before the block inside
 (`moe_norm_router_route`), its outputs are the norm kernel's and the logits and routes those
 of the router on them (up to the logits' summation order); rows wider than one warp holds take
 the norm kernel, then the router."""
