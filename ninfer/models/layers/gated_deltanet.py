@@ -48,7 +48,7 @@ GATES_IN_RULE_MAX_TOKENS = 1
 # where the conv's kernel ran them after it; False keeps that kernel (for timing the two).
 CONV_GATES_IN_PROJECTION = True
 # Where the recurrent kernel computes the gates (one token), it also runs the output norm, in
-# each head's last column block to arrive (`recurrent_gated_delta_rule_from_x_normed`): one
+# each head's last column block (`recurrent_gated_delta_rule_from_x_normed`): one
 # launch fewer a layer. False runs the norm's own kernel after it (for timing the two).
 NORM_IN_RULE = True
 
