@@ -254,8 +254,9 @@ def check_gdn_recurrent_from_x_normed(
     launches it replaces, `recurrent_gated_delta_rule_from_x` then
     `norm_module.gated_rms_norm` of its o: the norm's output, its attached integer-GEMV codes
     (`split`, a `SplitRequest` or None) and the states bit for bit, three times over (the
-    arrival counters are left reset), z a strided view as the in projection gives it. Two
-    tokens are refused (None)."""
+    arrival counters are left reset), z a strided view as the in projection gives it. Both
+    launches store the state from one place in the kernel, so the states are also held to the
+    torch reference, which a missing store fails. Two tokens are refused (None)."""
     from ninfer.kernels.x_split import attached
 
     q, k, v, _, _, states, _, query_start = gdn_inputs(
@@ -286,6 +287,10 @@ def check_gdn_recurrent_from_x_normed(
         assert normed.shape == apart.shape == v.shape and normed.dtype == v.dtype
         assert torch.equal(normed, apart), f"norms {relative_error(normed, apart):.1e} apart"
         assert torch.equal(states, apart_states)
+        ref_states = start.clone()
+        gdn_reference.recurrent_gated_delta_rule_from_x(*args, ref_states, slots, query_start)
+        tol = {torch.float32: 1e-5, torch.float16: 1e-3}.get(dtype, 1e-2)
+        assert relative_error(states, ref_states) < tol
         if split is not None:
             groups = width // split.group
             one = attached(normed.reshape(1, width), split.bits, split.group, groups)
