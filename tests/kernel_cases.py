@@ -521,6 +521,64 @@ def check_grouped_groupwise_linear(
     assert relative_error(reference, exact) < tol
 
 
+def check_swiglu_combine(
+    gemv_module,
+    combine_module,
+    format_name: str,
+    held: int,
+    hidden: int,
+    width: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device,
+) -> None:
+    """One token's experts' down projection with the SwiGLU and the MoE combine in its kernel
+    (`grouped_swiglu_combine`) against the two kernels it replaces, `grouped_swiglu_linear`
+    then `combine_module.moe_combine`: the block's output bit for bit, three calls over the
+    same mailbox, left at zero. `held` experts from global id 8 and the shared one stacked
+    after them; one choice is another rank's expert (it adds zero); the shared gate's logit a
+    strided column of the router's row, as the router gives it."""
+    from ninfer.kernels.moe_routing import Routes
+    from ninfer.quant import EncodedTensor, get_format
+
+    first = 8
+    stacked = get_format(format_name).encode(
+        torch.randn((held + 1) * hidden, width, device=device) * width**-0.5
+    )
+    planes = {name: p.reshape(held + 1, hidden, -1) for name, p in stacked.planes.items()}
+    weight = EncodedTensor(stacked.format, stacked.layout, (held + 1, hidden, width), planes)
+    ids = torch.randperm(held, device=device)[: top_k - 1].sort().values + first
+    ids = torch.cat([ids, torch.tensor([first + held + 3], device=device)])  # not held here
+    local = torch.clamp(ids - first, 0, held - 1)
+    routes = Routes(
+        torch.softmax(torch.randn(1, top_k, device=device), dim=-1).to(dtype),
+        ids[None].to(torch.int32),
+        torch.zeros(top_k + 1, dtype=torch.int32, device=device),
+        torch.cat([local, torch.tensor([held], device=device)]).to(torch.int32),
+        torch.arange(top_k + 1, dtype=torch.int32, device=device),
+    )
+    logits = torch.randn(1, 33, device=device).to(dtype)
+    shared_gate = logits[:, 32:]
+    for _ in range(3):
+        gate_up = (torch.randn(top_k + 1, 2 * width, device=device) * 2).to(dtype)
+        out = gemv_module.grouped_swiglu_combine(gate_up, weight, routes, first, held, shared_gate)
+        assert out is not None and out.shape == (1, hidden) and out.dtype == dtype
+        outputs = gemv_module.grouped_swiglu_linear(
+            gate_up, weight, routes.pairs, routes.pair_experts
+        )
+        two_kernels = combine_module.moe_combine(
+            outputs[:top_k].view(1, top_k, hidden),
+            routes.weights,
+            routes.experts,
+            first,
+            held,
+            outputs[top_k:],
+            shared_gate,
+        )
+        assert torch.equal(out, two_kernels), f"{relative_error(out, two_kernels):.1e} apart"
+    assert not gemv_module._combine_mailboxes[out.device].any()
+
+
 def check_groupwise_dequant(
     module, format_name: str, n: int, k: int, dtype: torch.dtype, device
 ) -> None:

@@ -577,6 +577,40 @@ def grouped_swiglu_linear(
     return grouped_groupwise_linear(silu_mul(gate, up, split), weight, x_rows, experts)
 
 
+def grouped_swiglu_combine(
+    gate_up: torch.Tensor,
+    weight: EncodedTensor,
+    routes,
+    first: int,
+    count: int,
+    shared_gate: torch.Tensor,
+    split: SplitRequest | None = None,
+) -> torch.Tensor:
+    """One MoE token's block output [1, N] from its pairs' gate|up rows [k + 1, 2K] (`routes`
+    with the shared expert's pair last): `grouped_swiglu_linear` over the pairs, then
+    `moe_combine`. On CUDA one Triton kernel runs both where it takes them
+    (`groupwise_gemv_triton.grouped_swiglu_combine`), bit for bit the two."""
+    if use_triton(gate_up, *weight.planes.values()) and gate_up.dtype in _HALF:
+        from ninfer.kernels import groupwise_gemv_triton
+
+        out = groupwise_gemv_triton.grouped_swiglu_combine(
+            gate_up, weight, routes, first, count, shared_gate
+        )
+        if out is not None:
+            return out
+    outputs = grouped_swiglu_linear(gate_up, weight, routes.pairs, routes.pair_experts, split)
+    top_k = routes.weights.shape[1]
+    return moe_combine(
+        outputs[:top_k].view(1, top_k, -1),
+        routes.weights,
+        routes.experts,
+        first,
+        count,
+        outputs[top_k:],
+        shared_gate,
+    )
+
+
 def groupwise_linear_conv(
     x: torch.Tensor,
     weight: EncodedTensor,

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels import groupwise_gemv_gluon
+from ninfer.kernels.moe_combine_triton import add_choice, with_shared
 from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, await_inputs, pdl_options
 from ninfer.kernels.triton_support import device_name, next_power_of_2, num_sms
 from ninfer.kernels.x_split import (
@@ -109,6 +110,17 @@ INT_TUNED: dict[str, dict[tuple[int, int, int, int], tuple[int, int, int]]] = {
 # The MoE experts' down projection takes the SwiGLU before it inside its kernel where its rows
 # are read whole (`grouped_swiglu_linear`): one launch fewer per MoE layer.
 INT_SWIGLU_INSIDE = True
+# ... and, for one token whose shared expert is its last pair, the MoE block's output (the
+# combine, `moe_combine_triton`) too (`grouped_swiglu_combine`): the routed pairs' programs post
+# their rows over a mark into a mailbox kept at zero, by relaxed atomic exchange, and each
+# row block's shared-pair program, the last by index, polls its rows of the mailbox, zeroes
+# them and combines. A poller spins only on programs that wait on nothing, so it cannot hold
+# back what it waits for (as in `moe_router_triton`); under Triton's interpreter, which runs
+# programs one by one in order, it finds its rows full. Like the counters, a device's mailbox
+# serves one kernel at a time.
+INT_COMBINE_INSIDE = True
+COMBINE_MAILBOX_WORDS = 1 << 16
+_combine_mailboxes: dict[torch.device, torch.Tensor] = {}
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
 # Loads of code words in flight per program: three stages ran 2-20 % faster than two at the
@@ -871,11 +883,19 @@ def _groupwise_gemv_int_kernel(
     stride_window_c,
     high_ptr,
     stride_high,
+    mailbox_ptr,
+    route_weights_ptr,
+    route_experts_ptr,
+    shared_gate_ptr,
+    first,
+    count,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     GATHER: tl.constexpr,
     SWIGLU: tl.constexpr,
     CONV: tl.constexpr,
+    COMBINE: tl.constexpr,
+    TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     STAGES: tl.constexpr,
@@ -898,7 +918,14 @@ def _groupwise_gemv_int_kernel(
     `swiglu_triton`'s and `split_codes`' arithmetic; xq, corr and xscale are not read.
     BITS 6 (q6_g64; not with GATHER, SWIGLU or CONV): words_ptr is the low plane, laid out
     as q4's, and high_ptr the two high bits of each value, 16 bits per low word; x is split as
-    for q4."""
+    for q4.
+    COMBINE (with SWIGLU; one token: columns 0..TOP_K - 1 its routed pairs in expert id
+    order, column TOP_K its shared expert's; a 16-bit dtype): out[0, rows] is the MoE block's
+    output, `moe_combine_triton`'s arithmetic over the pairs' products, the routes' weights
+    and ids (route_weights_ptr, route_experts_ptr; ids outside first..first + count - 1 add
+    zero) and the shared gate's logit (shared_gate_ptr). A routed pair's program writes its
+    rows, as stored, over a mark into its row of the mailbox; the shared pair's program waits
+    until its rows of all TOP_K are marked, zeroes them and combines."""
     pid_n = tl.program_id(0)
     col = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1005,7 +1032,77 @@ def _groupwise_gemv_int_kernel(
         tl.store(window, window_1.to(kind), mask=conv_rows)
         tl.store(window + 1, window_2.to(kind), mask=conv_rows)
         tl.store(window + 2, new.to(kind), mask=conv_rows)
-    tl.store(out_ptr + col * stride_om + rows, out, mask=row_mask)
+    if COMBINE:
+        if col < TOP_K:  # a routed pair: its rows as stored, over a mark
+            word = (out.to(tl.int16, bitcast=True).to(tl.int32) << 16) | 1
+            box = mailbox_ptr + rows * TOP_K + col  # row-major: a row's choices side by side
+            tl.atomic_xchg(box, word, mask=row_mask, sem="relaxed")
+        else:  # the shared pair, the last by index
+            _combine_rows(
+                out,
+                rows,
+                row_mask,
+                mailbox_ptr,
+                route_weights_ptr,
+                route_experts_ptr,
+                shared_gate_ptr,
+                first,
+                count,
+                out_ptr,
+                TOP_K,
+                ASM,
+            )
+    else:
+        tl.store(out_ptr + col * stride_om + rows, out, mask=row_mask)
+
+
+@triton.jit
+def _combine_rows(
+    shared,
+    rows,
+    row_mask,
+    mailbox_ptr,
+    route_weights_ptr,
+    route_experts_ptr,
+    shared_gate_ptr,
+    first,
+    count,
+    out_ptr,
+    TOP_K: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """The COMBINE poller's part (`_groupwise_gemv_int_kernel`): once the TOP_K routed pairs'
+    `rows` are all marked in the mailbox, zero them and write the block's output of those rows
+    to out's row 0, the shared expert's product (`shared`) included."""
+    choices = tl.arange(0, TOP_K)
+    # [rows, choices]: a row's choices are contiguous, so a thread holds them together and the
+    # picks below add within a thread, not across warps
+    box = mailbox_ptr + rows[:, None] * TOP_K + choices[None, :]
+    live = row_mask[:, None] & (choices < TOP_K)[None, :]
+    words = tl.load(box, mask=live, other=1, volatile=True)
+    while tl.min(tl.min(words & 1, axis=1), axis=0) == 0:
+        words = tl.load(box, mask=live, other=1, volatile=True)
+    tl.store(box, tl.zeros_like(words), mask=live)  # for the next call
+    values = words >> 16  # each pair's rows as stored, sign-extended
+    dtype = out_ptr.dtype.element_ty
+    routed = tl.zeros(rows.shape, tl.float32)
+    for choice in tl.static_range(TOP_K):
+        # choice's row of the tile, exactly: an integer sum over one nonzero term
+        stored = tl.sum(tl.where(choices[None, :] == choice, values, 0), axis=1)
+        y = stored.to(tl.int16).to(dtype, bitcast=True)
+        routed = add_choice(
+            routed,
+            y,
+            route_weights_ptr + choice,
+            route_experts_ptr + choice,
+            first,
+            count,
+            choice == 0,
+            dtype,
+            ASM,  # `mul.rn`: this kernel is compiled with fp fusion on
+        )
+    out = with_shared(routed, shared, shared_gate_ptr, dtype, ASM)
+    tl.store(out_ptr + rows, out, mask=row_mask)
 
 
 def split_x(x: torch.Tensor, bits: int, group: int, padded_k: int):
@@ -1083,13 +1180,17 @@ def _int_linear(
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     swiglu: bool = False,
     high: torch.Tensor | None = None,
+    combine: tuple | None = None,
 ) -> torch.Tensor:
     """x split into int8 pairs once, then the integer GEMV over codes [(E,) N, Kp*bits/8] and
     scales [(E,) N, Kp/group]; with `conv` (taps, windows, state slots), the causal conv of
-    the first taps.shape[0] outputs in the kernel (`integer_linear_conv`)."""
+    the first taps.shape[0] outputs in the kernel (`integer_linear_conv`); with `combine`
+    (mailbox, routes' weights and ids, shared gate logit, first, count), the MoE block's
+    output [1, N] (`grouped_swiglu_combine`)."""
     gather = experts is not None
     out_rows = experts.shape[0] if gather else x.shape[0]
-    out = torch.empty(out_rows, num_rows, dtype=x.dtype, device=x.device)
+    written_rows = 1 if combine is not None else out_rows
+    out = torch.empty(written_rows, num_rows, dtype=x.dtype, device=x.device)
     if out_rows == 0 or x.shape[0] == 0:
         return out
     words = codes.view(torch.int32)
@@ -1133,11 +1234,14 @@ def _int_linear(
         conv[1].stride(1) if conv is not None else 0,
         high.view(torch.int16) if high is not None else out,
         high.view(torch.int16).stride(0) if high is not None else 0,
+        *(combine if combine is not None else (out, out, out, out, 0, 0)),
         BITS=bits,
         GROUP=group,
         GATHER=gather,
         SWIGLU=swiglu,
         CONV=conv is not None,
+        COMBINE=combine is not None,
+        TOP_K=out_rows - 1 if combine is not None else 1,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,
         STAGES=_int_stages(num_rows, num_words, out_rows, x.device, bits),
@@ -1213,6 +1317,58 @@ def grouped_swiglu_linear(
     bits, group, codes, scales = _unit_stride_planes(gate_up, weight, 2 * weight.shape[-1])
     return _int_linear(
         gate_up, codes, scales, weight.shape[1], bits, group, x_rows, experts, swiglu=True
+    )
+
+
+def grouped_swiglu_combine(
+    gate_up: torch.Tensor,
+    weight: EncodedTensor,
+    routes,
+    first: int,
+    count: int,
+    shared_gate: torch.Tensor,
+) -> torch.Tensor | None:
+    """One MoE token's block output [1, N] from its experts' gate|up rows gate_up [k + 1, 2K]
+    (its k routed pairs in expert id order, then its shared expert's; `routes`, a
+    `moe_routing.Routes` with the shared pair): `grouped_swiglu_linear` over the pairs, then
+    `moe_combine_triton.moe_combine`, bit for bit, in one launch with no [k + 1, N] product in
+    memory between them. None where `combine_fits` says no or the mailbox cannot be had (first
+    asked for inside a graph capture); the caller then takes the two kernels."""
+    top_k = routes.weights.shape[1]
+    pairs = routes.pairs.shape[0]
+    if not combine_fits(gate_up, weight, top_k) or pairs != top_k + 1:
+        return None
+    num_rows = weight.shape[1]
+    mailbox = zeroed_once(
+        _combine_mailboxes, gate_up.device, COMBINE_MAILBOX_WORDS, torch.int32, top_k * num_rows
+    )
+    if mailbox is None:
+        return None
+    bits, group, codes, scales = _unit_stride_planes(gate_up, weight, 2 * weight.shape[-1])
+    combine = (mailbox, routes.weights, routes.experts, shared_gate, first, count)
+    return _int_linear(
+        gate_up,
+        codes,
+        scales,
+        num_rows,
+        bits,
+        group,
+        routes.pairs,
+        routes.pair_experts,
+        swiglu=True,
+        combine=combine,
+    )
+
+
+def combine_fits(x: torch.Tensor, weight: EncodedTensor, top_k: int) -> bool:
+    """Whether `grouped_swiglu_combine` takes one token's block: `swiglu_fits`,
+    INT_COMBINE_INSIDE, x in a 16-bit dtype (the mailbox's words carry a value over a mark)
+    and a power-of-two top-k (the poller's tile of the mailbox)."""
+    return (
+        INT_COMBINE_INSIDE
+        and swiglu_fits(weight)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and next_power_of_2(top_k) == top_k
     )
 
 

@@ -47,25 +47,70 @@ def _moe_combine_kernel(
     dtype = out_ptr.dtype.element_ty
     routed = tl.zeros([BLOCK_H], tl.float32)
     for choice in tl.static_range(TOP_K):
-        expert = tl.load(experts_ptr + token * stride_experts + choice)
-        weight = tl.load(weights_ptr + token * stride_weights + choice).to(tl.float32)
         y = tl.load(
             choices_ptr + token * stride_choice_t + choice * stride_choice_c + cols,
             mask=mask,
             other=0.0,
-        ).to(tl.float32)
-        held = (expert >= first) & (expert < first + count)
-        weighted = tl.where(held, (y * weight).to(dtype).to(tl.float32), 0.0)
-        if choice == 0:
-            routed = weighted
-        else:
-            routed = (routed + weighted).to(dtype).to(tl.float32)
-    gate = tl.load(shared_gate_ptr + token * stride_gate).to(tl.float32)
-    # torch's sigmoid: 1 / (1 + exp(-x)) with an IEEE division (tl.sigmoid's is approximate)
-    scale = tl.div_rn(1.0, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+        )
+        routed = add_choice(
+            routed,
+            y,
+            weights_ptr + token * stride_weights + choice,
+            experts_ptr + token * stride_experts + choice,
+            first,
+            count,
+            choice == 0,
+            dtype,
+            False,
+        )
     shared = tl.load(shared_ptr + token * stride_shared + cols, mask=mask, other=0.0)
-    scaled = (scale * shared.to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, (routed + scaled).to(dtype), mask=mask)
+    out = with_shared(routed, shared, shared_gate_ptr + token * stride_gate, dtype, False)
+    tl.store(out_ptr + token * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def mul_rn(a, b, MUL_RN: tl.constexpr):
+    """a * b in fp32, never contracted into a fused multiply-add with a later addition: PTX's
+    `mul.rn` where MUL_RN (a kernel compiled with fp fusion on; on the H200 the compiler fused
+    the shared expert's scaled row into the final sum through its rounding to bf16), else the
+    plain product (fusion off, or Triton's interpreter)."""
+    if MUL_RN:
+        a, b = tl.broadcast(a, b)
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def add_choice(routed, y, weight_ptr, expert_ptr, first, count, FIRST: tl.constexpr, dtype, MUL_RN):
+    """The routed sum so far (fp32 holding `dtype` values) plus one choice's expert output y
+    times its weight, each rounded to `dtype` as the eager module rounds it; a choice of an
+    expert outside first..first + count - 1 adds zero. Shared with the experts' down product
+    that combines in its kernel (`groupwise_gemv_triton.grouped_swiglu_combine`), so that both
+    round alike (`mul_rn`)."""
+    expert = tl.load(expert_ptr)
+    weight = tl.load(weight_ptr).to(tl.float32)
+    held = (expert >= first) & (expert < first + count)
+    product = mul_rn(y.to(tl.float32), weight, MUL_RN)
+    weighted = tl.where(held, product.to(dtype).to(tl.float32), 0.0)
+    if FIRST:
+        return weighted
+    else:
+        return (routed + weighted).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def with_shared(routed, shared, gate_ptr, dtype, MUL_RN: tl.constexpr):
+    """The block's output in `dtype`: the routed sum plus the shared expert's output scaled
+    by the sigmoid of its gate logit, torch's 1 / (1 + exp(-x)) with an IEEE division
+    (tl.sigmoid's is approximate)."""
+    gate = tl.load(gate_ptr).to(tl.float32)
+    scale = tl.div_rn(1.0, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+    shared = shared.to(tl.float32)
+    scaled = mul_rn(scale, shared, MUL_RN).to(dtype).to(tl.float32)
+    return (routed + scaled).to(dtype)
 
 
 def moe_combine(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import check_grouped_groupwise_linear, relative_error
+from kernel_cases import check_grouped_groupwise_linear, check_swiglu_combine, relative_error
 from test_graphs_gpu import assert_top_logprob_close_to_cpu_fp32, mixed_requests, tokens
 
 from ninfer.engine.config import EngineConfig
@@ -76,6 +76,28 @@ def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(format
     hidden = swiglu_triton.silu_mul(gate, up, SplitRequest.for_format(format_name, pairs))
     assert torch.equal(
         fused, groupwise_gemv_triton.grouped_groupwise_linear(hidden, weight, rows, ids)
+    )
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_the_combine_inside_the_down_product_gives_the_two_kernels_bit_for_bit(format_name):
+    """One token at the 35B-A3B shapes (top-8 and the shared expert, 2048 rows of K = 512),
+    bf16: the down product with the SwiGLU and the MoE combine in its kernel against the
+    down product then the combine kernel, bit for bit, three calls over the mailbox it leaves
+    at zero."""
+    from ninfer.kernels import groupwise_gemv_triton, moe_combine_triton
+
+    torch.manual_seed(1)
+    check_swiglu_combine(
+        groupwise_gemv_triton,
+        moe_combine_triton,
+        format_name,
+        NUM_EXPERTS,
+        HIDDEN,
+        WIDTH,
+        TOP_K,
+        BF16,
+        "cuda",
     )
 
 

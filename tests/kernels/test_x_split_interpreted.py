@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import check_swiglu_combine
 from triton_interpreter import load_kernel_module, require_interpreter
 
 from ninfer.kernels.x_split import SplitRequest, attached
@@ -175,3 +176,52 @@ def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt, m
     assert fused[2].isnan().all() and unfused[2].isnan().all()
     with pytest.raises(ValueError, match=f"takes {2 * k}"):  # gate|up is twice K wide
         gemv.grouped_swiglu_linear(gate_up[:, :k], weight, x_rows, ids)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("top_k", [8, 2])
+def test_the_combine_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt, top_k):
+    """One token's down product with the SwiGLU and the MoE combine in its kernel
+    (`grouped_swiglu_combine`): the block's output of `grouped_swiglu_linear` then the combine
+    kernel, bit for bit, the mailbox left at zero (80 rows: two row blocks, the second
+    partly masked)."""
+    check_swiglu_combine(
+        load_kernel_module("groupwise_gemv_triton"),
+        load_kernel_module("moe_combine_triton"),
+        fmt,
+        12,
+        80,
+        512,
+        top_k,
+        DTYPE,
+        "cpu",
+    )
+
+
+def test_the_combine_inside_refuses_what_it_cannot_carry(monkeypatch):
+    """None (the caller runs the two kernels) for fp32 rows, whose values do not fit a word
+    beside a mark, a top-k that is not a power of two, a routes list without the shared
+    pair, and with `INT_COMBINE_INSIDE` off."""
+    from ninfer.kernels.moe_routing import Routes
+
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    stacked = get_format("q4_g64_fp16").encode(torch.randn(3 * 64, 512) * 0.05)
+    planes = {name: p.reshape(3, 64, -1) for name, p in stacked.planes.items()}
+    weight = EncodedTensor(stacked.format, stacked.layout, (3, 64, 512), planes)
+    gate = torch.zeros(1, 1, dtype=DTYPE)
+
+    def routes(top_k: int, pairs: int) -> Routes:
+        ids = torch.zeros(1, top_k, dtype=torch.int32)
+        lists = torch.zeros(3, pairs, dtype=torch.int32)
+        return Routes(torch.ones(1, top_k, dtype=DTYPE), ids, *lists)
+
+    def combined(rows, top_k, pairs):
+        return gemv.grouped_swiglu_combine(rows, weight, routes(top_k, pairs), 0, 2, gate)
+
+    gate_up = torch.randn(3, 1024).to(DTYPE)
+    assert combined(gate_up, 2, 3) is not None
+    assert combined(gate_up.float(), 2, 3) is None
+    assert combined(torch.randn(4, 1024).to(DTYPE), 3, 4) is None
+    assert combined(gate_up[:2], 2, 2) is None
+    monkeypatch.setattr(gemv, "INT_COMBINE_INSIDE", False)
+    assert combined(gate_up, 2, 3) is None

@@ -92,10 +92,17 @@ def decode_launches(
     def grouped_swiglu(gate_up, weight, x_rows, experts, split=None):
         return gate_up.new_empty(experts.shape[0], weight.shape[1])
 
+    def swiglu_combine(gate_up, weight, routes, first, count, shared_gate, split=None):
+        return gate_up.new_empty(1, weight.shape[1])
+
     monkeypatch.setattr(moe, "grouped_groupwise_linear", count.kernel("grouped_gemv", grouped))
     # the experts' down projection with their activation inside, as on the GPU (rows of 64
     # values: `groupwise_gemv_triton.swiglu_fits`)
     monkeypatch.setattr(moe, "grouped_swiglu_linear", count.kernel("grouped_gemv", grouped_swiglu))
+    # ... and, for one token with the shared expert in the pairs, with the combine inside too
+    monkeypatch.setattr(
+        moe, "grouped_swiglu_combine", count.kernel("grouped_gemv_combine", swiglu_combine)
+    )
     monkeypatch.setattr(linear, "groupwise_linear", count.kernel("gemv", gemv))
     for module in (moe, mlp):
         monkeypatch.setattr(module, "silu_mul", count.kernel("silu_mul", silu_mul_shape))
@@ -169,15 +176,15 @@ def test_shared_expert_stays_apart_where_stored_otherwise():
     assert block.experts.gate_up_proj.shape[0] == NUM_EXPERTS
 
 
-def test_stacked_shared_expert_one_token_decode_step_launches_four_kernels(monkeypatch):
+def test_stacked_shared_expert_one_token_decode_step_launches_three_kernels(monkeypatch):
     """Router product with the routing, two grouped GEMVs over the routed and shared pairs (the
-    activation inside the second), the output."""
+    activation and the block's output inside the second)."""
     block = moe_block(encoded=True)
     block.fuse_projections()
     assert block.stack_shared_expert()
     assert moe.SHARED_PAIRS_MAX_TOKENS == 1
     assert decode_launches(block, 1, monkeypatch) == {
-        "router_route": 1, "grouped_gemv": 2, "combine": 1,
+        "router_route": 1, "grouped_gemv": 1, "grouped_gemv_combine": 1,
     }  # fmt: skip
     # over more tokens its rows take the GEMV of the stacked weights, as unstacked
     assert decode_launches(block, 8, monkeypatch) == {
@@ -187,13 +194,14 @@ def test_stacked_shared_expert_one_token_decode_step_launches_four_kernels(monke
 
 def test_norm_inside_the_router_takes_one_launch_fewer(monkeypatch):
     """With the norm before the block inside the router's kernel, the block's decode step is
-    that kernel, the two grouped GEMVs and the output: the norm's launch is gone. Off where the
-    fused router does not run (the CPU), or switched off, the caller runs the norm."""
+    that kernel and the two grouped GEMVs (the output inside the second): the norm's launch is
+    gone. Off where the fused router does not run (the CPU), or switched off, the caller runs
+    the norm."""
     block = moe_block(encoded=True)
     block.fuse_projections()
     assert block.stack_shared_expert()
     assert decode_launches(block, 1, monkeypatch, norm_inside=True) == {
-        "norm_router_route": 1, "grouped_gemv": 2, "combine": 1,
+        "norm_router_route": 1, "grouped_gemv": 1, "grouped_gemv_combine": 1,
     }  # fmt: skip
     cpu = moe_block(encoded=True).to(torch.bfloat16)
     cpu.fuse_projections()

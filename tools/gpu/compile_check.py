@@ -410,6 +410,8 @@ def cases():
         ("integer gemv with the conv", in_projection_with_the_conv),
         ("integer gemv at the tuned settings", integer_gemv_at_the_tuned_settings),
         ("grouped gemv with the swiglu", experts_down_with_the_swiglu),
+        ("grouped gemv with the swiglu and the combine", lambda: kc.check_swiglu_combine(
+            groupwise_gemv_triton, moe_combine_triton, q4, 32, 2048, 512, 8, BF16, cpu)),
         ("grouped gemv", lambda: kc.check_grouped_groupwise_linear(
             groupwise_gemv_triton, q4, 8, 1024, 2048, 1, 9, BF16, cpu, 1e-2)),
         ("dequantization", lambda: kc.check_groupwise_dequant(

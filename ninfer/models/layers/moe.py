@@ -33,6 +33,7 @@ from torch import nn
 from ninfer.errors import ArtifactError
 from ninfer.kernels.dispatch import (
     grouped_groupwise_linear,
+    grouped_swiglu_combine,
     grouped_swiglu_linear,
     groupwise_dequant,
     moe_combine,
@@ -297,6 +298,18 @@ class GroupwiseExperts(RoutedExperts):
         gate_up = grouped_groupwise_linear(x, self.gate_up_proj, pair_tokens, pair_experts)
         return grouped_swiglu_linear(gate_up, self.down_proj, pairs, pair_experts, self.down_split)
 
+    def combined_output(self, x: torch.Tensor, routes, shared_gate: torch.Tensor) -> torch.Tensor:
+        """One token's block output [1, H] where its shared expert is its last pair: the
+        gate|up product over the pairs, then the down product and the combine, one kernel on
+        CUDA where it takes them (`grouped_swiglu_combine`)."""
+        gate_up = grouped_groupwise_linear(
+            x, self.gate_up_proj, routes.pair_tokens, routes.pair_experts
+        )
+        return grouped_swiglu_combine(
+            gate_up, self.down_proj, routes, self.first, self.num_experts, shared_gate,
+            self.down_split,
+        )  # fmt: skip
+
     def _forward_grouped_mm(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
@@ -547,6 +560,8 @@ class SparseMoE(nn.Module):
         experts = self.experts
         stacked = getattr(experts, "shared_local", None)
         tokens = x.shape[0]
+        if in_pairs and tokens == 1:
+            return experts.combined_output(x, routes, shared_gate)
         outputs = experts.pair_outputs(x, routes.pair_tokens, routes.pair_experts, routes.pairs)
         routed = tokens * self.top_k
         if in_pairs:
