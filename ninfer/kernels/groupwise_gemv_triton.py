@@ -24,7 +24,9 @@ planes and never leave registers as floats. Two kernels:
   reads its channels' taps and window before the product and finishes its rows alone. A
   program that reads its rows in one step asks for its codes and scales before it waits for
   the kernel before it (`INT_WEIGHTS_BEFORE_WAIT`), so that their memory round trip overlaps
-  that kernel instead of following it.
+  that kernel instead of following it. The MoE experts' down product takes the SwiGLU before
+  it (`grouped_swiglu_linear`) and, at one token, the block's output after it too
+  (`grouped_swiglu_combine`, `INT_COMBINE_INSIDE`).
 - more x rows (x padded to 16 rows), on the tensor cores; a q4 product with two to eight bf16
   rows on Hopper goes to the Gluon kernel instead where it fits (`groupwise_gemv_gluon`,
   1.25-1.5x faster at the 27B products). By default (`TC_SCALE_AFTER`) each

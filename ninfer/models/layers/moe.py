@@ -18,9 +18,10 @@ elsewhere their torch references run, which compute what the eager module always
 bit. Where the shared expert is kept encoded like the routed ones, it is stacked after them at
 load (`SparseMoE.stack_shared_expert`) and a one-token decode step runs it as one more pair of
 the two grouped GEMVs: a block is five launches (router product and routing, two grouped GEMVs
-and their activation, the output) instead of eight (`SHARED_PAIRS_MAX_TOKENS`). The decoder
-layer's norm before the block runs inside the router's kernel where that kernel runs
-(`SparseMoE.norm_and_forward`), one launch fewer again."""
+and their activation, the output) instead of eight (`SHARED_PAIRS_MAX_TOKENS`). On CUDA the
+output then runs inside the second grouped GEMV (`grouped_swiglu_combine`), one launch fewer.
+The decoder layer's norm before the block runs inside the router's kernel where that kernel
+runs (`SparseMoE.norm_and_forward`), one launch fewer again."""
 
 from __future__ import annotations
 
@@ -556,7 +557,9 @@ class SparseMoE(nn.Module):
         self, x: torch.Tensor, routes, shared_gate: torch.Tensor, in_pairs: bool
     ) -> torch.Tensor:
         """The block's output from its routes: the chosen experts' products over the pair
-        lists (the stacked shared expert's too, `in_pairs`), then `moe_combine`."""
+        lists (the stacked shared expert's too, `in_pairs`), then `moe_combine` (at one token
+        with the shared expert in the pairs, inside the down product where it can:
+        `GroupwiseExperts.combined_output`)."""
         experts = self.experts
         stacked = getattr(experts, "shared_local", None)
         tokens = x.shape[0]
