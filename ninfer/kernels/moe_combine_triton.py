@@ -84,7 +84,17 @@ def mul_rn(a, b, MUL_RN: tl.constexpr):
 
 
 @triton.jit
-def add_choice(routed, y, weight_ptr, expert_ptr, first, count, FIRST: tl.constexpr, dtype, MUL_RN):
+def add_choice(
+    routed,
+    y,
+    weight_ptr,
+    expert_ptr,
+    first,
+    count,
+    FIRST: tl.constexpr,
+    dtype,
+    MUL_RN: tl.constexpr,
+):
     """The routed sum so far (fp32 holding `dtype` values) plus one choice's expert output y
     times its weight, each rounded to `dtype` as the eager module rounds it; a choice of an
     expert outside first..first + count - 1 adds zero. Shared with the experts' down product
