@@ -116,6 +116,15 @@ def test_encoding_on_the_gpu_gives_the_cpu_planes(format_name):
         assert torch.equal(plane.cpu(), on_cpu.planes[name]), name
 
 
+def triton_kernel_only(monkeypatch) -> None:
+    """`groupwise_linear` at two to eight rows through the Triton tensor-core kernel: the Gluon
+    product takes q4 with bf16 x there on Hopper (`groupwise_gemv_gluon.fits`), and its own
+    tests are in test_gluon_gemv_gpu.py."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    monkeypatch.setattr(groupwise_gemv_gluon, "fits", lambda x, weight: False)
+
+
 @pytest.mark.parametrize("m", [2, 5, 8, 16])
 @pytest.mark.parametrize(
     ("n", "k"), [(34816, 5120), (5120, 17408), (5120, 6144), (96, 5120)], ids=str
@@ -126,6 +135,8 @@ def test_packed_dequantization_gives_the_fp32_form_bit_for_bit(monkeypatch, n, k
     products. Scales spread over several binades, zero codes and negative scales included."""
     from ninfer.kernels import groupwise_gemv_triton
     from ninfer.quant import get_format
+
+    triton_kernel_only(monkeypatch)
 
     torch.manual_seed(n + m)
     weight = torch.randn(n, k, device="cuda") * torch.logspace(-4, 1, n, device="cuda")[:, None]
@@ -158,6 +169,8 @@ def test_scaled_after_the_product_is_the_exact_product(monkeypatch, format_name,
     exact integers through inline PTX: bit for bit what the arithmetic form gives."""
     from ninfer.kernels import groupwise_gemv_triton
     from ninfer.quant import get_format
+
+    triton_kernel_only(monkeypatch)
 
     torch.manual_seed(n + m)
     weight = torch.randn(n, k, device="cuda") * torch.logspace(-4, 1, n, device="cuda")[:, None]
