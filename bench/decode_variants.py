@@ -10,9 +10,9 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   several lanes run it (gates given, output norm folded), at its register caps;
 - at the 35B-A3B shapes, one token: the fused router stage by stage (the kernel with its dot
   products, arrival counter or routing left out), with the norm before it inside or apart,
-  and its rows per program
-  (`moe_router_triton`) and the integer GEMV's rows per program, words per step and warps at
-  the expert products (nine pairs, the shared expert stacked) and the dense products;
+  the experts' down product with the MoE combine inside or apart, the router's rows per
+  program (`moe_router_triton`) and the integer GEMV's rows per program, words per step and
+  warps at the expert products (nine pairs, the shared expert stacked) and the dense products;
 - at the 27B shapes, one token: the same integer GEMV settings at every product of a layer
   and the head;
 - the one-row integer GEMV's time against its rows (so its programs per SM) at two K, its
@@ -48,6 +48,7 @@ from ninfer.kernels import (
     gdn_gates_triton,
     gdn_recurrent_triton,
     groupwise_gemv_triton,
+    moe_combine_triton,
     moe_router_triton,
     moe_routing_triton,
     rms_norm_triton,
@@ -392,6 +393,62 @@ def norm_in_router() -> None:
             print(f"{f'norm inside (one kernel), {groups} groups a part':48} {us:7.2f}")
     finally:
         moe_router_triton.NORM_PART_GROUPS = shipped
+
+
+def down_and_combine() -> None:
+    """35B-A3B at one token: the experts' down product over the nine pairs (the SwiGLU inside),
+    then the combine kernel, against the down product with the combine inside
+    (`groupwise_gemv_triton.grouped_swiglu_combine`, docs/performance.md, Measurement 34), and
+    each of the two kernels alone. The pairs' experts rotate over 64 routings (about 5 MB of
+    codes and scales a call)."""
+    hidden, experts, inter, top_k = 2048, 256, 512, 8
+    stacked = Q4.encode(torch.randn((experts + 1) * hidden, inter, device=DEVICE) * inter**-0.5)
+    planes = {name: p.reshape(experts + 1, hidden, -1) for name, p in stacked.planes.items()}
+    weight = EncodedTensor(stacked.format, stacked.layout, (experts + 1, hidden, inter), planes)
+    gate_up = torch.randn(top_k + 1, 2 * inter, device=DEVICE, dtype=BF16)
+    shared_gate = torch.randn(1, experts + 1, device=DEVICE, dtype=BF16)[:, experts:]
+    routings = [
+        moe_route(torch.randn(1, experts, device=DEVICE), top_k, BF16, 0, experts, True)
+        for _ in range(64)
+    ]
+    outputs = groupwise_gemv_triton.grouped_swiglu_linear(
+        gate_up, weight, routings[0].pairs, routings[0].pair_experts
+    )
+
+    def down(routes):
+        return groupwise_gemv_triton.grouped_swiglu_linear(
+            gate_up, weight, routes.pairs, routes.pair_experts
+        )
+
+    def combine(routes, outputs=outputs):
+        return moe_combine_triton.moe_combine(
+            outputs[:top_k].view(1, top_k, hidden),
+            routes.weights,
+            routes.experts,
+            0,
+            experts,
+            outputs[top_k:],
+            shared_gate,
+        )
+
+    def inside(routes):
+        out = groupwise_gemv_triton.grouped_swiglu_combine(
+            gate_up, weight, routes, 0, experts, shared_gate
+        )
+        assert out is not None, "the combine inside the down product did not run"
+        return out
+
+    inside(routings[0])  # its mailbox is made outside the graphs the timing captures
+    rows = (
+        ("down product, then the combine kernel", lambda r: combine(r, down(r))),
+        ("down product with the combine (shipped)", inside),
+        ("down product alone", down),
+        ("combine kernel alone", combine),
+    )
+    print(f"{'35B-A3B down product and combine, one token':48} {'us':>7}")
+    for label, call in rows:
+        us = median_us(rotating([partial(call, r) for r in routings]))
+        print(f"{label:48} {us:7.2f}")
 
 
 def moe_decode_settings() -> None:
@@ -800,6 +857,7 @@ def main() -> None:
     gdn_state_traffic()
     router_stages()
     norm_in_router()
+    down_and_combine()
     moe_decode_settings()
     dense_decode_settings()
     one_row_fixed_cost()
