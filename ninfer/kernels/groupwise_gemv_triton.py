@@ -1340,6 +1340,8 @@ def grouped_swiglu_combine(
     pairs = routes.pairs.shape[0]
     if not combine_fits(gate_up, weight, top_k) or pairs != top_k + 1:
         return None
+    if routes.weights.stride(-1) != 1 or routes.experts.stride(-1) != 1:
+        return None  # the kernel reads the token's choices side by side
     num_rows = weight.shape[1]
     mailbox = zeroed_once(
         _combine_mailboxes, gate_up.device, COMBINE_MAILBOX_WORDS, torch.int32, top_k * num_rows

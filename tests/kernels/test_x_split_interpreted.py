@@ -201,7 +201,7 @@ def test_the_combine_inside_the_down_product_gives_the_two_kernels_bit_for_bit(f
 def test_the_combine_inside_refuses_what_it_cannot_carry(monkeypatch):
     """None (the caller runs the two kernels) for fp32 rows, whose values do not fit a word
     beside a mark, a top-k that is not a power of two, a routes list without the shared
-    pair, and with `INT_COMBINE_INSIDE` off."""
+    pair, weights or ids not side by side, and with `INT_COMBINE_INSIDE` off."""
     from ninfer.kernels.moe_routing import Routes
 
     gemv = load_kernel_module("groupwise_gemv_triton")
@@ -223,5 +223,7 @@ def test_the_combine_inside_refuses_what_it_cannot_carry(monkeypatch):
     assert combined(gate_up.float(), 2, 3) is None
     assert combined(torch.randn(4, 1024).to(DTYPE), 3, 4) is None
     assert combined(gate_up[:2], 2, 2) is None
+    apart = routes(2, 3)._replace(weights=torch.ones(1, 4, dtype=DTYPE)[:, ::2])
+    assert gemv.grouped_swiglu_combine(gate_up, weight, apart, 0, 2, gate) is None
     monkeypatch.setattr(gemv, "INT_COMBINE_INSIDE", False)
     assert combined(gate_up, 2, 3) is None
