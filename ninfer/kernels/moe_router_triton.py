@@ -102,6 +102,7 @@ def _moe_router_route_kernel(
     BLOCK_K: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
     SHARED: tl.constexpr,
     DOTS: tl.constexpr,
     COUNT: tl.constexpr,
@@ -193,6 +194,7 @@ def _moe_router_route_kernel(
                 count,
                 TOP_K,
                 BLOCK_E,
+                BLOCK_TOP,
                 SHARED,
             )
         if COUNT and not MAILBOX:
@@ -348,6 +350,7 @@ def _launch(
             BLOCK_K=BLOCK_K,
             TOP_K=top_k,
             BLOCK_E=next_power_of_2(num_experts),
+            BLOCK_TOP=next_power_of_2(top_k),
             SHARED=shared,
             DOTS=stages[0],
             COUNT=stages[1],

@@ -90,9 +90,10 @@ def test_routing_takes_the_lowest_ids_of_tied_probabilities(routing):
     torch.testing.assert_close(ours.weights, chosen / chosen.sum(dim=-1, keepdim=True))
 
 
-def test_routing_of_a_nan_logit_still_names_valid_experts(routing):
+@pytest.mark.parametrize("nan", [float("nan"), -float("nan")], ids=["nan", "negative nan"])
+def test_routing_of_a_nan_logit_still_names_valid_experts(routing, nan):
     logits = torch.randn(2, 40)
-    logits[1, 7] = float("nan")
+    logits[1, 7] = nan
     ours = routing.moe_route(logits, 4, torch.float32, 0, 40)
     assert torch.equal(ours.experts[1], torch.arange(4, dtype=torch.int32))
     assert ours.pair_experts.min() >= 0 and ours.pair_experts.max() < 40
@@ -100,6 +101,15 @@ def test_routing_of_a_nan_logit_still_names_valid_experts(routing):
     ref = routing_reference.moe_route(logits, 4, torch.float32, 0, 40)
     assert ours.weights[1].isnan().all() and ref.weights[1].isnan().all()
     torch.testing.assert_close(ours.weights[0], ref.weights[0])
+
+
+def test_routing_of_logits_all_far_below_zero_matches_the_reference(routing):
+    """The kernel finds the largest logit by its bits, read as ordered integers: a row of
+    negative logits, whose smallest one taken for the largest would overflow the softmax."""
+    logits = -50 - 100 * torch.rand(3, 40)
+    ours = routing.moe_route(logits, 8, torch.float32, 0, 40)
+    ref = routing_reference.moe_route(logits, 8, torch.float32, 0, 40)
+    assert_same_routes(ours, ref, torch.float32)
 
 
 def combine_inputs(tokens: int, top_k: int, hidden: int, dtype: torch.dtype) -> dict:
