@@ -17,6 +17,10 @@ from ninfer.kernels.triton_support import next_power_of_2
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
 ELEMENTS_PER_PROGRAM = 2048  # 16 rows of 128 per program: a 27B decode token is 3 programs
+# Warps per program: eight give each thread 8 values of one row (one 16-byte load). At four,
+# each thread held two rows, and the compiler read the second only after the first row's
+# sum of squares, a memory round trip more (sm_90, Triton 3.6).
+WARPS = 8
 
 
 @triton.jit
@@ -43,7 +47,6 @@ def _gated_rms_norm_kernel(
     SPLIT_GROUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
@@ -52,15 +55,19 @@ def _gated_rms_norm_kernel(
     x_offsets = (token * stride_x_token + head * stride_x_head)[:, None] + cols[None, :]
     z_offsets = (token * stride_z_token + head * stride_z_head)[:, None] + cols[None, :]
     dtype = out_ptr.dtype.element_ty
-
+    # The weight and z are read before the wait (`pdl_triton.READ_BEFORE_WAIT`), z through
+    # the L2: after it, the compiler placed both behind the sum of squares, each a memory
+    # round trip of its own (Nsight Compute on the H200: the 35B-A3B decode norm stalled on
+    # them about as long as on x).
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + z_offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    await_inputs(PDL)
     x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
     normed = (x * inv_rms[:, None]).to(dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     scaled = weight[None, :] * normed
     if ROUND_SCALED:
         scaled = scaled.to(dtype).to(tl.float32)
-    z = tl.load(z_ptr + z_offsets, mask=mask, other=0.0).to(tl.float32)
     out = (scaled * (z * tl.sigmoid(z))).to(dtype)
     tl.store(out_ptr + row[:, None] * dim + cols[None, :], out, mask=mask)
     if SPLIT_BITS != 0:
@@ -130,7 +137,7 @@ def gated_rms_norm(
             BLOCK_ROWS=block_rows,
             BLOCK_D=block_d,
             **split_constants,
-            num_warps=4,
+            num_warps=WARPS,
             **pdl_options(x3.device),
         )
         if buffers is not None:

@@ -41,7 +41,12 @@ from ninfer.kernels.moe_router import check_router
 from ninfer.kernels.moe_routing import Routes
 from ninfer.kernels.moe_routing_triton import ROUTE_WARPS, empty_routes, moe_route, route_token
 from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, await_inputs, pdl_options
-from ninfer.kernels.rms_norm_triton import norm_part, rms_norm
+from ninfer.kernels.rms_norm_triton import (
+    norm_part,
+    norm_part_inputs,
+    norm_part_weight,
+    rms_norm,
+)
 from ninfer.kernels.triton_support import next_power_of_2
 from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split_launch_args
 
@@ -66,6 +71,9 @@ ALL_STAGES = (True, True, True)
 # also runs last under Triton's interpreter, which runs programs one by one in order. Like
 # the counters, a device's mailbox serves one kernel at a time (the engine's one stream).
 ROUTE_MAILBOX = True
+# With the norm inside, each program reads its router row before the wait (`_launch`'s
+# kernel, above).
+ROWS_BEFORE_WAIT = True
 MAILBOX_WORDS = 1 << 16
 _mailboxes: dict[torch.device, torch.Tensor] = {}
 
@@ -109,6 +117,7 @@ def _moe_router_route_kernel(
     ROUTE: tl.constexpr,
     MAILBOX: tl.constexpr,
     NORM: tl.constexpr,
+    ROWS_BEFORE_WAIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
     SPLIT_GROUP: tl.constexpr,
@@ -122,7 +131,6 @@ def _moe_router_route_kernel(
     kernel rounds it); programs 0, 1, ... also write the norm's outputs, a part each
     (`rms_norm_triton.norm_part`), once they have counted, so the routing does not wait for
     them. DOTS applies without NORM only."""
-    await_inputs(PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < num_rows
@@ -130,18 +138,28 @@ def _moe_router_route_kernel(
     x_row = x_ptr + token.to(tl.int64) * stride_x
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     if NORM:
+        # Weights, which no kernel writes, are read before the wait
+        # (`pdl_triton.READ_BEFORE_WAIT`), as stored: the norm weight and, with
+        # ROWS_BEFORE_WAIT, the router row.
+        cols = tl.arange(0, BLOCK_H)
+        live = cols < HIDDEN
+        w_mask = row_mask[:, None] & live[None, :]
+        if ROWS_BEFORE_WAIT:
+            w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
+        norm_weight = tl.load(norm_weight_ptr + cols, mask=live, other=0.0)
+    await_inputs(PDL)
+    if NORM:
         # One pass over the row: the router row's load is issued with x's and the residual's,
         # so its memory round trip overlaps their reads from L2 and the sum of squares (two
         # passes, the norm first and then `_x_dot_rows`, took 8.8 us against 7.8 on the H200).
         residual_row = residual_ptr + token.to(tl.int64) * stride_residual
-        cols = tl.arange(0, BLOCK_H)
-        live = cols < HIDDEN
-        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & live[None, :], other=0.0)
+        if not ROWS_BEFORE_WAIT:
+            w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
         x = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
         residual = tl.load(residual_row + cols, mask=live, other=0.0).to(tl.float32)
         total = (x + residual).to(sum_ptr.dtype.element_ty).to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(total * total, axis=0) / HIDDEN + eps)  # as the norm kernel's
-        scale = 1.0 + tl.load(norm_weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        scale = 1.0 + norm_weight.to(tl.float32)
         normed = (total * inv_rms * scale).to(normed_ptr.dtype.element_ty).to(tl.float32)
         dots = tl.sum(w.to(tl.float32) * normed[None, :], axis=1)
         tl.store(logits_row + rows, dots.to(logits_ptr.dtype.element_ty), mask=row_mask)
@@ -201,10 +219,15 @@ def _moe_router_route_kernel(
             tl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
     if NORM:
         if tl.program_id(1) * SPLIT_BLOCK_G * SPLIT_GROUP < HIDDEN:
+            part_weight = norm_part_weight(
+                norm_weight_ptr, tl.program_id(1), HIDDEN, SPLIT_GROUP, SPLIT_BLOCK_G
+            )
+            inputs = norm_part_inputs(
+                x_row, residual_row, part_weight, tl.program_id(1), HIDDEN, True, SPLIT_GROUP,
+                SPLIT_BLOCK_G,
+            )  # fmt: skip
             norm_part(
-                x_row,
-                residual_row,
-                norm_weight_ptr,
+                inputs,
                 normed_ptr + token.to(tl.int64) * HIDDEN,
                 sum_ptr + token.to(tl.int64) * HIDDEN,
                 inv_rms,
@@ -287,6 +310,7 @@ def moe_norm_router_route(
     split_constants["SPLIT_BLOCK_G"] = part_groups
     norm = (residual, residual.stride(0), norm_weight, eps, normed, total, *split_args)
     constants = {"NORM": True, "BLOCK_H": next_power_of_2(hidden), **split_constants}
+    constants["ROWS_BEFORE_WAIT"] = ROWS_BEFORE_WAIT
     args = (num_experts, top_k, first, count, shared, ALL_STAGES)
     routes, logits = _launch(x, router_weight, counters, *args, norm, constants)
     if buffers is not None:
@@ -324,6 +348,7 @@ def _launch(
     if norm is None:
         norm = (x, 0, x, 0.0, x, x, x, x, x)
         norm_constants = {"NORM": False, "BLOCK_H": 1, "SPLIT_BITS": 0, "SPLIT_GROUP": 1}
+        norm_constants["ROWS_BEFORE_WAIT"] = False
         norm_constants["SPLIT_BLOCK_G"] = 1
     mailbox = None
     if ROUTE_MAILBOX and stages == ALL_STAGES:

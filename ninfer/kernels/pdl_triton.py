@@ -38,6 +38,10 @@ READ_BEFORE_WAIT = {
     # 35B-A3B q4 C=1 step 1.78-1.79 -> 1.74 ms (docs/performance.md, Measurement 18)
     "_groupwise_gemv_int_kernel": "a one-step program's codes and scales (weights), and the "
     "experts' down product's pair lists (written by the routing two kernels back)",
+    "_rms_norm_kernel": "the norm weight",
+    "_gated_rms_norm_kernel": "the norm weight, and z: the GDN in projection's output, with "
+    "the recurrent or chunked rule's kernels between wherever the norm runs",
+    "_moe_router_route_kernel": "with the norm inside: the router rows, the norm weight",
 }
 
 # The memory order of an arrival counter's reset by the last program to arrive (the split-K

@@ -49,28 +49,40 @@ def _rms_norm_kernel(
     SPLIT_BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    # The norm weight, which no kernel writes, is read before the wait
+    # (`pdl_triton.READ_BEFORE_WAIT`): read after the row, it was a memory round trip of its
+    # own (Nsight Compute on the H200: a 27B decode norm stalled as long on its part of the
+    # weight as on the row, the compiler placing the load after the sum of squares).
+    if SPLIT_BITS == 0:
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        weight = norm_part_weight(weight_ptr, tl.program_id(1), dim, SPLIT_GROUP, SPLIT_BLOCK_G)
+    await_inputs(PDL)
     x_row = x_ptr + (row // heads) * stride_x + (row % heads) * stride_x_head
+    residual_row = residual_ptr + row * stride_residual
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        residual = tl.load(residual_row + cols, mask=mask, other=0.0)
+    if SPLIT_BITS != 0:  # the part's values again: from the L1, where the row's just came
+        part = norm_part_inputs(
+            x_row, residual_row, weight, tl.program_id(1), dim, HAS_RESIDUAL, SPLIT_GROUP,
+            SPLIT_BLOCK_G,
+        )  # fmt: skip
+    if HAS_RESIDUAL:
         total = (x + residual.to(tl.float32)).to(sum_out_ptr.dtype.element_ty)
         x = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     if SPLIT_BITS == 0:
         if HAS_RESIDUAL:
             tl.store(sum_out_ptr + row * stride_sum + cols, total, mask=mask)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = x * inv_rms * (1.0 + weight)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         norm_part(
-            x_row,
-            residual_ptr + row * stride_residual,
-            weight_ptr,
+            part,
             out_ptr + row * stride_out,
             sum_out_ptr + row * stride_sum,
             inv_rms,
@@ -88,10 +100,49 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def norm_part(
+def _part(part_index, dim, SPLIT_GROUP: tl.constexpr, SPLIT_BLOCK_G: tl.constexpr):
+    """Part `part_index` of a row: its SPLIT_BLOCK_G groups, their [groups, values] columns
+    and those columns' mask."""
+    groups = part_index * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
+    part = groups[:, None] * SPLIT_GROUP + tl.arange(0, SPLIT_GROUP)[None, :]
+    return groups, part, part < dim
+
+
+@triton.jit
+def norm_part_weight(
+    weight_ptr, part_index, dim, SPLIT_GROUP: tl.constexpr, SPLIT_BLOCK_G: tl.constexpr
+):
+    """The norm weight's values of part `part_index` (`norm_part`), fp32."""
+    _, part, part_mask = _part(part_index, dim, SPLIT_GROUP, SPLIT_BLOCK_G)
+    return tl.load(weight_ptr + part, mask=part_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def norm_part_inputs(
     x_row,
     residual_row,
-    weight_ptr,
+    weight,
+    part_index,
+    dim,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    SPLIT_BLOCK_G: tl.constexpr,
+):
+    """What `norm_part` takes of part `part_index`: x's values (fp32), the residual's as
+    stored (x's again without one) and the norm weight's (`norm_part_weight`, read apart so
+    that a kernel can read it before its wait)."""
+    _, part, part_mask = _part(part_index, dim, SPLIT_GROUP, SPLIT_BLOCK_G)
+    xp = tl.load(x_row + part, mask=part_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        rp = tl.load(residual_row + part, mask=part_mask, other=0.0)
+    else:
+        rp = xp
+    return xp, rp, weight
+
+
+@triton.jit
+def norm_part(
+    inputs,
     out_row,
     sum_row,
     inv_rms,
@@ -106,20 +157,16 @@ def norm_part(
     SPLIT_GROUP: tl.constexpr,
     SPLIT_BLOCK_G: tl.constexpr,
 ):
-    """Part `part_index` of a normed row (SPLIT_BLOCK_G groups of SPLIT_GROUP values, as
-    [groups, values]): its residual sum, output and, with SPLIT_BITS, its integer-GEMV codes
-    (x_split.py) as row m's, from the same arithmetic in registers. The norm kernel and the
-    fused MoE router (`moe_router_triton`) write a row's parts here, so both write alike."""
-    groups = part_index * SPLIT_BLOCK_G + tl.arange(0, SPLIT_BLOCK_G)
-    part = groups[:, None] * SPLIT_GROUP + tl.arange(0, SPLIT_GROUP)[None, :]
-    part_mask = part < dim
-    xp = tl.load(x_row + part, mask=part_mask, other=0.0).to(tl.float32)
+    """Part `part_index` of a normed row from its `inputs` (`norm_part_inputs`): its residual
+    sum, output and, with SPLIT_BITS, its integer-GEMV codes (x_split.py) as row m's, from
+    the same arithmetic in registers. The norm kernel and the fused MoE router
+    (`moe_router_triton`) write a row's parts here, so both write alike."""
+    xp, rp, weight = inputs
+    groups, part, part_mask = _part(part_index, dim, SPLIT_GROUP, SPLIT_BLOCK_G)
     if HAS_RESIDUAL:
-        rp = tl.load(residual_row + part, mask=part_mask, other=0.0)
         total_part = (xp + rp.to(tl.float32)).to(sum_row.dtype.element_ty)
         tl.store(sum_row + part, total_part, mask=part_mask)
         xp = total_part.to(tl.float32)
-    weight = tl.load(weight_ptr + part, mask=part_mask, other=0.0).to(tl.float32)
     y = (xp * inv_rms * (1.0 + weight)).to(out_row.dtype.element_ty)
     tl.store(out_row + part, y, mask=part_mask)
     if SPLIT_BITS != 0:
