@@ -71,8 +71,9 @@ ALL_STAGES = (True, True, True)
 # also runs last under Triton's interpreter, which runs programs one by one in order. Like
 # the counters, a device's mailbox serves one kernel at a time (the engine's one stream).
 ROUTE_MAILBOX = True
-# With the norm inside, each program reads its router row before the wait (`_launch`'s
-# kernel, above).
+# With the norm inside, each program reads its router row before the wait (the kernel's
+# NORM path): on the H200 the 35B-A3B C=1 step took 1.41 ms with it against 1.42 after the
+# wait, at the edge of the spread (docs/performance.md, Measurement 35).
 ROWS_BEFORE_WAIT = True
 MAILBOX_WORDS = 1 << 16
 _mailboxes: dict[torch.device, torch.Tensor] = {}

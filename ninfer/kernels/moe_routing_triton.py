@@ -8,7 +8,9 @@ pass writes values equal to the k-th in index order). A NaN probability ranks ab
 as in torch.topk, so every id written is a valid expert. Where the shared expert is stacked
 with the routed ones, each program also writes its token's pair with it. The routing of a
 row is `route_token`, which the fused router and routing kernel (`moe_router_triton`) calls
-too, so the two cannot route differently.
+too, so the two cannot route differently. Its rounds are integer warp reductions over the
+probabilities' bits: on the H200 the 35B-A3B q4 C=1 decode step went from 1.59 to 1.50 ms with
+them (docs/performance.md, Measurement 35).
 Reference: `moe_routing.moe_route` (same signature)."""
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def route_token(
     Every kernel that routes calls this, so all route alike.
 
     One warp runs it as a dependent chain, so its length is the cost (Nsight Compute: 1646
-    instructions, 2.3 us of the 35B-A3B router's 5.2 on the H200, bench/decode_kernels.md).
+    instructions, 2.3 us of the 35B-A3B router's 5.2 on the H200; bench/decode_kernels.md,
+    "One warp's chains").
     Each round takes the largest key and the lowest id holding it, two integer reductions;
     the pick's probability is the key's bits, so the sum of the picks needs no third. The k
     picks then go straight to their ranks in id order, a k x k count, with no scan of the

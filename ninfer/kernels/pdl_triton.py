@@ -38,6 +38,8 @@ READ_BEFORE_WAIT = {
     # 35B-A3B q4 C=1 step 1.78-1.79 -> 1.74 ms (docs/performance.md, Measurement 18)
     "_groupwise_gemv_int_kernel": "a one-step program's codes and scales (weights), and the "
     "experts' down product's pair lists (written by the routing two kernels back)",
+    # these three: 27B q4 C=1 step 5.04 -> 4.97 ms, 35B-A3B 1.50 -> 1.41 ms (docs/performance.md,
+    # Measurement 35)
     "_rms_norm_kernel": "the norm weight",
     "_gated_rms_norm_kernel": "the norm weight, and z: the GDN in projection's output, with "
     "the recurrent or chunked rule's kernels between wherever the norm runs",
