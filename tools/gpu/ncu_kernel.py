@@ -13,7 +13,11 @@ CASE (and the KERNEL it launches): `route` (`_moe_route_kernel`, 35B-A3B: 256 ex
 8, one token), `router` (`_moe_router_route_kernel`, the 35B-A3B router with the norm
 inside), `norm` (`_rms_norm_kernel`, a 27B decoder norm: 5120 wide, the residual, q4 codes),
 `gated-norm` (`_gated_rms_norm_kernel`, the 35B-A3B GDN output norm: 32 heads of 128, q4
-codes).
+codes), and the 27B one-row q4 products (`_groupwise_gemv_int_kernel`, x split beforehand as
+the step's producers split it): `in` (the GDN q|k|v|z, 16384 x 5120), `attention`
+(q|gate|k|v, 14336 x 5120), `out` (5120 x 6144), `gate-up` (34816 x 5120), `down`
+(5120 x 17408). Nsight Compute flushes the caches between its passes (its default), so each
+product reads its weight from DRAM, as in a step.
 
 Reading the report's source page, on any machine:
 
@@ -37,6 +41,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 LAUNCHES = 30
+# The 27B one-row products: (rows, columns) of the q4 weight
+PRODUCTS = {
+    "in": (16384, 5120),
+    "attention": (14336, 5120),
+    "out": (5120, 6144),
+    "gate-up": (34816, 5120),
+    "down": (5120, 17408),
+}
+CASES = "route, router, norm, gated-norm, " + ", ".join(PRODUCTS)
 
 
 def _calls(case: str):
@@ -71,7 +84,17 @@ def _calls(case: str):
         x, z = (torch.randn(1, 32, 128, device=dev, dtype=bf16) for _ in range(2))
         weight = torch.randn(128, device=dev, dtype=bf16)
         return lambda i: gated_rms_norm_triton.gated_rms_norm(x, z, weight, 1e-6, split)
-    raise SystemExit(f"ncu_kernel: no case {case!r} (route, router, norm, gated-norm)")
+    if case in PRODUCTS:
+        from ninfer.kernels import groupwise_gemv_triton
+        from ninfer.kernels.x_split import attach
+        from ninfer.quant import get_format
+
+        n, k = PRODUCTS[case]
+        weight = get_format("q4_g64_fp16").encode(torch.randn(n, k, device=dev) * 0.02)
+        x = torch.randn(1, k, device=dev, dtype=bf16)
+        attach(x, SplitRequest(4, 64, 1), groupwise_gemv_triton.split_x(x, 4, 64, k))
+        return lambda i: groupwise_gemv_triton.integer_linear(x, weight)
+    raise SystemExit(f"ncu_kernel: no case {case!r} ({CASES})")
 
 
 def run(case: str) -> None:
@@ -112,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     launch = commands.add_parser("run", help="launch CASE's kernel 30 times (GPU)")
-    launch.add_argument("case", help="route, router, norm or gated-norm")
+    launch.add_argument("case", help=CASES)
     report = commands.add_parser("read", help="per-instruction samples of a source-page CSV")
     report.add_argument("csv", type=Path)
     report.add_argument("--at-least", type=int, default=5, help="samples to print a line")
