@@ -62,13 +62,17 @@ def _x_dot_rows(
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_THROUGH_L2: tl.constexpr = False,
 ):
     """The dot products of one row of x (x_row points at it) with BLOCK_ROWS weight rows
     (w_rows: [BLOCK_ROWS, 1] pointers to their starts): fp32 sums over hidden, rounded to x's
     dtype as the linear's output is, so the gates see the reference's b and a up to the fp32
     summation order. Every kernel taking b and a from x sums here, so all sum in one order
-    (the fused MoE router, `moe_router_triton`, sums its logits here too)."""
-    return _x_dot_rows_scaled(x_row, w_rows, row_mask, 1.0, HIDDEN, BLOCK_ROWS, BLOCK_K)
+    (the fused MoE router, `moe_router_triton`, sums its logits here too). X_THROUGH_L2: x is
+    read from the L2, for a kernel that reads it before its PDL wait."""
+    return _x_dot_rows_scaled(
+        x_row, w_rows, row_mask, 1.0, HIDDEN, BLOCK_ROWS, BLOCK_K, X_THROUGH_L2
+    )
 
 
 @triton.jit
@@ -80,6 +84,7 @@ def _x_dot_rows_scaled(
     HIDDEN: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_THROUGH_L2: tl.constexpr = False,
 ):
     """`_x_dot_rows` with the sums multiplied by `scale` (fp32) before they are rounded: x's
     row is then a folded norm's weighted row and scale its factor (`norm_fold`)."""
@@ -87,7 +92,11 @@ def _x_dot_rows_scaled(
     for start in tl.static_range(0, HIDDEN, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         col_mask = cols < HIDDEN
-        x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if X_THROUGH_L2:
+            x = tl.load(x_row + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(x_row + cols, mask=col_mask, other=0.0)
+        x = x.to(tl.float32)
         w = tl.load(
             w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
         ).to(tl.float32)

@@ -53,6 +53,15 @@ STATE_FIRST_MAX_SEQS = 1
 # Measurement 30).
 NORM_LAST_MAX_BLOCKS = 4
 RECURRENT_WARPS = 4
+# With the state tile, at one token of one sequence, the gates from x computed before the
+# wait too (`pdl_triton.READ_BEFORE_WAIT`): x is the in projection's input, two kernels back
+# or more (the norm that wrote it, the in projection), so the b|a products, the longest
+# chain before the rule, would overlap the kernel before this one. And the output norm's
+# poller given z and the norm weight read before the rule, not after its poll. Both are
+# built and tested under the interpreter but off: they have not been timed on the GPU
+# machine (docs/performance.md, Measurement 35).
+GATES_BEFORE_WAIT = False
+NORM_INPUTS_EARLY = False
 # The state tile stored before the arrival count of the output norm (`NORM_LAST`), not after
 # the head's last block has run the norm: the count's fence then waits for the state's stores
 # with o's, in one round trip, and no program ends on a state store issued after the count.
@@ -130,6 +139,8 @@ def _recurrent_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
     STATE_FIRST: tl.constexpr,
+    GATES_FIRST: tl.constexpr,
+    NORM_EARLY: tl.constexpr,
     FOLD_NORM: tl.constexpr,
     NORM_LAST: tl.constexpr,
     MAILBOX: tl.constexpr,
@@ -163,12 +174,6 @@ def _recurrent_kernel(
         + cols[None, :]
     )
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    if STATE_FIRST:  # through L2: an SM's L1 may still hold what it read of the slot a step ago
-        state = tl.load(state_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
-        await_inputs(PDL)
-    else:
-        state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
-    state = state.to(tl.float32)  # a bf16 state is updated in fp32, rounded once when stored
     if GATES_FROM_X:
         # Head h's b is row h of the stacked b|a weight, its a row num_value_heads + h.
         head_row = value_head + tl.arange(0, 1)
@@ -177,8 +182,33 @@ def _recurrent_kernel(
         a_row = b_row + num_value_heads * stride_w
         A_log = tl.load(A_log_ptr + value_head).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + value_head).to(tl.float32)
+    if STATE_FIRST:  # through L2: an SM's L1 may still hold what it read of the slot a step ago
+        state = tl.load(state_ptrs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+        if GATES_FIRST:
+            # One token's gates before the wait too: x is the in projection's input, written
+            # two kernels back or more, the b|a rows and A_log, dt_bias weights
+            first_decay, first_beta = _gates_from_x(
+                x_ptr + begin * stride_xt, b_row, a_row, head_mask, A_log, dt_bias, HIDDEN,
+                BLOCK_HIDDEN, True,
+            )  # fmt: skip
+        if NORM_LAST and NORM_EARLY:  # the output norm's weight, which its poller reads last
+            last_dims = tl.arange(0, BLOCK_D)
+            last_weight = tl.load(
+                norm_weight_ptr + last_dims, mask=last_dims < value_dim, other=0.0
+            )
+        await_inputs(PDL)
+    else:
+        state = tl.load(state_ptrs, mask=tile_mask, other=0.0)
+    state = state.to(tl.float32)  # a bf16 state is updated in fp32, rounded once when stored
     if FOLD_NORM:
         norm_weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if NORM_LAST and NORM_EARLY:  # the head's z, for its poller's norm, with q, k and v
+        last_z, weight_then = _norm_inputs(
+            z_ptr + begin * stride_zt + value_head * stride_zh, norm_weight_ptr, value_dim,
+            BLOCK_D,
+        )  # fmt: skip
+        if not STATE_FIRST:
+            last_weight = weight_then
     for t in range(begin, end):
         q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + rows, mask=row_mask, other=0.0)
         k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + rows, mask=row_mask, other=0.0)
@@ -190,13 +220,13 @@ def _recurrent_kernel(
         if FOLD_NORM:  # asked for with q, k and v, so that no load waits after the rule
             z_at = z_ptr + t * stride_zt + value_head * stride_zh + cols
             z = tl.load(z_at, mask=col_mask, other=0.0).to(tl.float32)
-        if GATES_FROM_X:
-            x_row = x_ptr + t * stride_xt
-            b = tl.sum(_x_dot_rows(x_row, b_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN), axis=0)
-            a = tl.sum(_x_dot_rows(x_row, a_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN), axis=0)
-            decay = tl.exp(_log_decay(a, A_log, dt_bias))
-            # beta rounded to x's dtype, as the gates kernel stores it
-            beta = tl.sigmoid(b).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if GATES_FIRST:
+            decay, beta = first_decay, first_beta
+        elif GATES_FROM_X:
+            decay, beta = _gates_from_x(
+                x_ptr + t * stride_xt, b_row, a_row, head_mask, A_log, dt_bias, HIDDEN,
+                BLOCK_HIDDEN, False,
+            )  # fmt: skip
         else:
             decay = tl.exp(tl.load(g_ptr + t * stride_gt + value_head).to(tl.float32))
             beta = tl.load(beta_ptr + t * stride_bt + value_head).to(tl.float32)
@@ -246,10 +276,15 @@ def _recurrent_kernel(
                 # .cg reads from L2, where the head's other blocks wrote theirs
                 o_row = out_ptr + begin * stride_ot + value_head * stride_oh
                 o = tl.load(o_row + dims, mask=head_dims, other=0.0, cache_modifier=".cg")
+            if not NORM_EARLY:
+                last_z, last_weight = _norm_inputs(
+                    z_ptr + begin * stride_zt + value_head * stride_zh, norm_weight_ptr,
+                    value_dim, BLOCK_D,
+                )  # fmt: skip
             _head_norm(
                 o.to(tl.float32),
-                z_ptr + begin * stride_zt + value_head * stride_zh,
-                norm_weight_ptr,
+                last_z.to(tl.float32),
+                last_weight.to(tl.float32),
                 normed_ptr,
                 begin,
                 value_head,
@@ -271,10 +306,39 @@ def _recurrent_kernel(
 
 
 @triton.jit
+def _norm_inputs(z_row, weight_ptr, dim, BLOCK_D: tl.constexpr):
+    """A head's z row and the output norm's weight, as `_head_norm` takes them (zeros past
+    dim)."""
+    dims = tl.arange(0, BLOCK_D)
+    z = tl.load(z_row + dims, mask=dims < dim, other=0.0)
+    return z, tl.load(weight_ptr + dims, mask=dims < dim, other=0.0)
+
+
+@triton.jit
+def _gates_from_x(
+    x_row,
+    b_row,
+    a_row,
+    head_mask,
+    A_log,
+    dt_bias,
+    HIDDEN: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
+    X_THROUGH_L2: tl.constexpr,
+):
+    """One token's (decay, beta) of a head from its x row and b|a weight rows, as the gates
+    kernel computes them (beta rounded to x's dtype, as that kernel stores it)."""
+    b = tl.sum(_x_dot_rows(x_row, b_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN, X_THROUGH_L2), 0)
+    a = tl.sum(_x_dot_rows(x_row, a_row, head_mask, HIDDEN, 1, BLOCK_HIDDEN, X_THROUGH_L2), 0)
+    decay = tl.exp(_log_decay(a, A_log, dt_bias))
+    return decay, tl.sigmoid(b).to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _head_norm(
     o,
-    z_ptr,
-    weight_ptr,
+    z,
+    weight,
     normed_ptr,
     token,
     head,
@@ -290,16 +354,15 @@ def _head_norm(
     SPLIT_GROUP: tl.constexpr,
 ):
     """One head's GDN output norm of one token, as `gated_rms_norm_triton` computes it (the
-    same roundings), from o [BLOCK_D] as the rule stored it (in fp32; zeros past dim), written
-    to row `token` of normed [tokens, heads * dim] with its integer-GEMV codes (SPLIT_BITS 0:
-    none)."""
+    same roundings), from o [BLOCK_D] as the rule stored it, the head's z and the norm weight
+    (all fp32; zeros past dim; read by the caller, which asks for them early), written to row
+    `token` of normed [tokens, heads * dim] with its integer-GEMV codes (SPLIT_BITS 0: none)."""
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
-    z = tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = normed_ptr.dtype.element_ty
     inv_rms = tl.rsqrt(tl.sum(o * o, axis=0) / dim + eps)
     normed = (o * inv_rms).to(dtype).to(tl.float32)
-    scaled = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * normed
+    scaled = weight * normed
     if ROUND_SCALED:
         scaled = scaled.to(dtype).to(tl.float32)
     out = (scaled * (z * tl.sigmoid(z))).to(dtype)
@@ -558,6 +621,11 @@ def _launch(
         HIDDEN=x.shape[1] if from_x else 0,
         BLOCK_HIDDEN=HIDDEN_BLOCK,
         STATE_FIRST=num_seqs <= STATE_FIRST_MAX_SEQS,
+        NORM_EARLY=NORM_INPUTS_EARLY,
+        GATES_FIRST=from_x
+        and GATES_BEFORE_WAIT
+        and num_seqs <= STATE_FIRST_MAX_SEQS
+        and v.shape[0] == 1,
         FOLD_NORM=fold is not None,
         NORM_LAST=norm_last is not None,
         MAILBOX=norm_last is not None and mailbox is not None,

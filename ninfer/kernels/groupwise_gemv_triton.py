@@ -122,6 +122,10 @@ INT_SWIGLU_INSIDE = True
 # serves one kernel at a time.
 INT_COMBINE_INSIDE = True
 COMBINE_MAILBOX_WORDS = 1 << 16
+# The combine's poller given the routes read before the product, not after its poll: built
+# and tested under the interpreter, off until timed on the GPU machine (docs/performance.md,
+# Measurement 35).
+COMBINE_ROUTES_EARLY = False
 _combine_mailboxes: dict[torch.device, torch.Tensor] = {}
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
@@ -897,6 +901,7 @@ def _groupwise_gemv_int_kernel(
     SWIGLU: tl.constexpr,
     CONV: tl.constexpr,
     COMBINE: tl.constexpr,
+    ROUTES_EARLY: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
@@ -998,6 +1003,18 @@ def _groupwise_gemv_int_kernel(
         ),
         axis=2,
     )
+    if COMBINE and ROUTES_EARLY:
+        # the poller's routes, asked for before the product, not after its poll: the weights
+        # and ids of the token's choices, [1, TOP_K] as the mailbox tile's columns, and the
+        # shared expert's gate logit
+        choices = tl.arange(0, TOP_K)[None, :]
+        early_routes = (
+            tl.load(route_weights_ptr + choices).to(tl.float32),
+            tl.load(route_experts_ptr + choices),
+            tl.load(shared_gate_ptr).to(tl.float32),
+        )
+    else:
+        early_routes = (0.0, 0, 0.0)
     if WEIGHTS_BEFORE_WAIT:
         acc = _int_step(
             acc, first_w, first_high, first_scale, 0, m, x_words, level, num_words,
@@ -1048,10 +1065,12 @@ def _groupwise_gemv_int_kernel(
                 route_weights_ptr,
                 route_experts_ptr,
                 shared_gate_ptr,
+                early_routes,
                 first,
                 count,
                 out_ptr,
                 TOP_K,
+                ROUTES_EARLY,
                 ASM,
             )
     else:
@@ -1067,15 +1086,19 @@ def _combine_rows(
     route_weights_ptr,
     route_experts_ptr,
     shared_gate_ptr,
+    early_routes,
     first,
     count,
     out_ptr,
     TOP_K: tl.constexpr,
+    ROUTES_EARLY: tl.constexpr,
     ASM: tl.constexpr,
 ):
     """The COMBINE poller's part (`_groupwise_gemv_int_kernel`): once the TOP_K routed pairs'
     `rows` are all marked in the mailbox, zero them and write the block's output of those rows
-    to out's row 0, the shared expert's product (`shared`) included."""
+    to out's row 0, the shared expert's product (`shared`) included. With ROUTES_EARLY the
+    routes come read (`early_routes`: weights and ids [1, TOP_K], the shared gate's logit),
+    else they are read here, after the poll."""
     choices = tl.arange(0, TOP_K)
     # [rows, choices]: a row's choices are contiguous, so a thread holds them together and the
     # picks below add within a thread, not across warps
@@ -1089,21 +1112,33 @@ def _combine_rows(
     dtype = out_ptr.dtype.element_ty
     routed = tl.zeros(rows.shape, tl.float32)
     for choice in tl.static_range(TOP_K):
-        # choice's row of the tile, exactly: an integer sum over one nonzero term
-        stored = tl.sum(tl.where(choices[None, :] == choice, values, 0), axis=1)
+        # choice's row of the tile, exactly: an integer sum over one nonzero term (its weight
+        # and id likewise, a weight being a probability, never -0)
+        pick = choices[None, :] == choice
+        stored = tl.sum(tl.where(pick, values, 0), axis=1)
         y = stored.to(tl.int16).to(dtype, bitcast=True)
+        if ROUTES_EARLY:
+            weight = tl.sum(tl.where(pick, early_routes[0], 0.0), axis=1)
+            expert = tl.sum(tl.where(pick, early_routes[1], 0), axis=1)
+        else:
+            weight = tl.load(route_weights_ptr + choice).to(tl.float32)
+            expert = tl.load(route_experts_ptr + choice)
         routed = add_choice(
             routed,
             y,
-            route_weights_ptr + choice,
-            route_experts_ptr + choice,
+            weight,
+            expert,
             first,
             count,
             choice == 0,
             dtype,
             ASM,  # `mul.rn`: this kernel is compiled with fp fusion on
         )
-    out = with_shared(routed, shared, shared_gate_ptr, dtype, ASM)
+    if ROUTES_EARLY:
+        shared_gate = early_routes[2]
+    else:
+        shared_gate = tl.load(shared_gate_ptr).to(tl.float32)
+    out = with_shared(routed, shared, shared_gate, dtype, ASM)
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 
@@ -1243,6 +1278,7 @@ def _int_linear(
         SWIGLU=swiglu,
         CONV=conv is not None,
         COMBINE=combine is not None,
+        ROUTES_EARLY=COMBINE_ROUTES_EARLY,
         TOP_K=out_rows - 1 if combine is not None else 1,
         BLOCK_N=block_n,
         BLOCK_WORDS=block_words,

@@ -55,8 +55,8 @@ def _moe_combine_kernel(
         routed = add_choice(
             routed,
             y,
-            weights_ptr + token * stride_weights + choice,
-            experts_ptr + token * stride_experts + choice,
+            tl.load(weights_ptr + token * stride_weights + choice).to(tl.float32),
+            tl.load(experts_ptr + token * stride_experts + choice),
             first,
             count,
             choice == 0,
@@ -64,7 +64,8 @@ def _moe_combine_kernel(
             False,
         )
     shared = tl.load(shared_ptr + token * stride_shared + cols, mask=mask, other=0.0)
-    out = with_shared(routed, shared, shared_gate_ptr + token * stride_gate, dtype, False)
+    gate = tl.load(shared_gate_ptr + token * stride_gate).to(tl.float32)
+    out = with_shared(routed, shared, gate, dtype, False)
     tl.store(out_ptr + token * stride_out + cols, out, mask=mask)
 
 
@@ -87,8 +88,8 @@ def mul_rn(a, b, MUL_RN: tl.constexpr):
 def add_choice(
     routed,
     y,
-    weight_ptr,
-    expert_ptr,
+    weight,
+    expert,
     first,
     count,
     FIRST: tl.constexpr,
@@ -96,12 +97,11 @@ def add_choice(
     MUL_RN: tl.constexpr,
 ):
     """The routed sum so far (fp32 holding `dtype` values) plus one choice's expert output y
-    times its weight, each rounded to `dtype` as the eager module rounds it; a choice of an
-    expert outside first..first + count - 1 adds zero. Shared with the experts' down product
-    that combines in its kernel (`groupwise_gemv_triton.grouped_swiglu_combine`), so that both
-    round alike (`mul_rn`)."""
-    expert = tl.load(expert_ptr)
-    weight = tl.load(weight_ptr).to(tl.float32)
+    times its weight (fp32), each rounded to `dtype` as the eager module rounds it; a choice of
+    an expert (its global id) outside first..first + count - 1 adds zero. Shared with the
+    experts' down product that combines in its kernel
+    (`groupwise_gemv_triton.grouped_swiglu_combine`), so that both round alike (`mul_rn`); the
+    callers read the routes, so that the down product can ask for them early."""
     held = (expert >= first) & (expert < first + count)
     product = mul_rn(y.to(tl.float32), weight, MUL_RN)
     weighted = tl.where(held, product.to(dtype).to(tl.float32), 0.0)
@@ -112,11 +112,10 @@ def add_choice(
 
 
 @triton.jit
-def with_shared(routed, shared, gate_ptr, dtype, MUL_RN: tl.constexpr):
+def with_shared(routed, shared, gate, dtype, MUL_RN: tl.constexpr):
     """The block's output in `dtype`: the routed sum plus the shared expert's output scaled
-    by the sigmoid of its gate logit, torch's 1 / (1 + exp(-x)) with an IEEE division
+    by the sigmoid of its gate logit (fp32), torch's 1 / (1 + exp(-x)) with an IEEE division
     (tl.sigmoid's is approximate)."""
-    gate = tl.load(gate_ptr).to(tl.float32)
     scale = tl.div_rn(1.0, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
     shared = shared.to(tl.float32)
     scaled = mul_rn(scale, shared, MUL_RN).to(dtype).to(tl.float32)

@@ -34,7 +34,10 @@ import triton.language as tl
 READ_BEFORE_WAIT = {
     # 27B C=1 step 5.43 -> 5.39 ms, 35B-A3B 1.86 -> 1.85 ms (docs/performance.md,
     # Measurement 15)
-    "_recurrent_kernel": "its state tile: the slot a host copy wrote, the state a step ago",
+    "_recurrent_kernel": "its state tile: the slot a host copy wrote, the state a step ago; "
+    "with GATES_BEFORE_WAIT at one token, the gates' x row (the in projection's input, two "
+    "kernels back or more), b|a rows, A_log and dt_bias; with NORM_INPUTS_EARLY, the output "
+    "norm's weight",
     # 35B-A3B q4 C=1 step 1.78-1.79 -> 1.74 ms (docs/performance.md, Measurement 18)
     "_groupwise_gemv_int_kernel": "a one-step program's codes and scales (weights), and the "
     "experts' down product's pair lists (written by the routing two kernels back)",

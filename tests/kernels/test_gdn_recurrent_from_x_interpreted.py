@@ -20,6 +20,7 @@ def interpreted():
     return load_kernel_module
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["gates-after-wait", "gates-before-wait"])
 @pytest.mark.parametrize("query_lens", [[1], [1, 1, 1], [1, 2, 1]], ids=["1", "3", "3-verify"])
 @pytest.mark.parametrize("value_heads_per_key_head", [1, 2])
 @pytest.mark.parametrize("hidden", [300, 2500])
@@ -28,12 +29,15 @@ def interpreted():
     [pytest.param(torch.float16, 1e-3, id="fp16"), pytest.param(torch.float32, 1e-5, id="fp32")],
 )
 def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
-    interpreted, query_lens, value_heads_per_key_head, hidden, dtype, tol
+    interpreted, query_lens, value_heads_per_key_head, hidden, dtype, tol, early, monkeypatch
 ):
     """Hidden within one column block of the dot product (300, masked) and over three (2500);
-    [1, 2, 1]: a sequence of two tokens, as speculative verification steps it."""
+    [1, 2, 1]: a sequence of two tokens, as speculative verification steps it. With
+    `GATES_BEFORE_WAIT` one token's gates are computed before the kernel's wait."""
+    module = interpreted("gdn_recurrent_triton")
+    monkeypatch.setattr(module, "GATES_BEFORE_WAIT", early)
     check_gdn_recurrent_from_x(
-        interpreted("gdn_recurrent_triton"),
+        module,
         interpreted("gdn_gates_triton"),
         query_lens,
         2,
@@ -47,6 +51,7 @@ def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
     )
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["reads-late", "reads-early"])
 @pytest.mark.parametrize("mailbox", [True, False], ids=["mailbox", "counter"])
 @pytest.mark.parametrize("value_heads", [2, 4], ids=["4-blocks-a-head", "2-blocks-a-head"])
 @pytest.mark.parametrize("split", [None, (4, 64), (8, 32)], ids=["no-codes", "q4", "q8"])
@@ -54,19 +59,23 @@ def test_gates_inside_the_rule_give_the_two_launches_bit_for_bit(
     "dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
 )
 def test_output_norm_in_the_rule_gives_the_two_launches_bit_for_bit(
-    interpreted, value_heads, split, dtype, mailbox, monkeypatch
+    interpreted, value_heads, split, dtype, mailbox, early, monkeypatch
 ):
     """At one token each head's last column block runs the output norm
     (`recurrent_gated_delta_rule_from_x_normed`) once the head's o is in its mailbox (a
     16-bit o; fp32 takes the counter) or, with the mailbox off, the last block to arrive at
     the head's counter does: the norm kernel's output and codes, the same states, for one
     head's columns split over four or two programs (the interpreter's eight SMs narrow the
-    blocks to 16 or 32 of 64 columns). The mailbox and the counters are left at zero."""
+    blocks to 16 or 32 of 64 columns). The mailbox and the counters are left at zero.
+    `early`: the gates computed before the wait, the norm's z and weight read before the rule
+    (`GATES_BEFORE_WAIT`, `NORM_INPUTS_EARLY`)."""
     from ninfer.kernels.groupwise_gemv_triton import _counters
     from ninfer.kernels.x_split import SplitRequest
 
     module = interpreted("gdn_recurrent_triton")
     monkeypatch.setattr(module, "NORM_MAILBOX", mailbox)
+    monkeypatch.setattr(module, "GATES_BEFORE_WAIT", early)
+    monkeypatch.setattr(module, "NORM_INPUTS_EARLY", early)
     request = SplitRequest(*split, 1) if split else None
     check_gdn_recurrent_from_x_normed(
         module,

@@ -178,15 +178,21 @@ def test_swiglu_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt, m
         gemv.grouped_swiglu_linear(gate_up[:, :k], weight, x_rows, ids)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["routes-after-poll", "routes-early"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("top_k", [8, 2])
-def test_the_combine_inside_the_down_product_gives_the_two_kernels_bit_for_bit(fmt, top_k):
+def test_the_combine_inside_the_down_product_gives_the_two_kernels_bit_for_bit(
+    fmt, top_k, early, monkeypatch
+):
     """One token's down product with the SwiGLU and the MoE combine in its kernel
     (`grouped_swiglu_combine`): the block's output of `grouped_swiglu_linear` then the combine
     kernel, bit for bit, the mailbox left at zero (80 rows: two row blocks, the second
-    partly masked)."""
+    partly masked). `early`: the poller's routes read before the product
+    (`COMBINE_ROUTES_EARLY`)."""
+    gemv = load_kernel_module("groupwise_gemv_triton")
+    monkeypatch.setattr(gemv, "COMBINE_ROUTES_EARLY", early)
     check_swiglu_combine(
-        load_kernel_module("groupwise_gemv_triton"),
+        gemv,
         load_kernel_module("moe_combine_triton"),
         fmt,
         12,
