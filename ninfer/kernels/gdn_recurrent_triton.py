@@ -57,11 +57,12 @@ RECURRENT_WARPS = 4
 # wait too (`pdl_triton.READ_BEFORE_WAIT`): x is the in projection's input, two kernels back
 # or more (the norm that wrote it, the in projection), so the b|a products, the longest
 # chain before the rule, would overlap the kernel before this one. And the output norm's
-# poller given z and the norm weight read before the rule, not after its poll. Both are
-# built and tested under the interpreter but off: they have not been timed on the GPU
-# machine (docs/performance.md, Measurement 35).
-GATES_BEFORE_WAIT = False
-NORM_INPUTS_EARLY = False
+# poller given z and the norm weight read before the rule, not after its poll. On the GPU
+# machine, with `groupwise_gemv_triton.COMBINE_ROUTES_EARLY`, the three together: the 27B q4
+# C=1 step 4.89-4.90 -> 4.83 ms, the 35B-A3B step 1.41 -> 1.36-1.38 ms (docs/performance.md,
+# Measurement 36).
+GATES_BEFORE_WAIT = True
+NORM_INPUTS_EARLY = True
 # The state tile stored before the arrival count of the output norm (`NORM_LAST`), not after
 # the head's last block has run the norm: the count's fence then waits for the state's stores
 # with o's, in one round trip, and no program ends on a state store issued after the count.

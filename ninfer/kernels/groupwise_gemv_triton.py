@@ -122,10 +122,10 @@ INT_SWIGLU_INSIDE = True
 # serves one kernel at a time.
 INT_COMBINE_INSIDE = True
 COMBINE_MAILBOX_WORDS = 1 << 16
-# The combine's poller given the routes read before the product, not after its poll: built
-# and tested under the interpreter, off until timed on the GPU machine (docs/performance.md,
-# Measurement 35).
-COMBINE_ROUTES_EARLY = False
+# The combine's poller given the routes read before the product, not after its poll (with
+# the GDN kernel's two early reads, `gdn_recurrent_triton.GATES_BEFORE_WAIT`: the 35B-A3B q4
+# C=1 step 1.41 -> 1.36-1.38 ms; docs/performance.md, Measurement 36).
+COMBINE_ROUTES_EARLY = True
 _combine_mailboxes: dict[torch.device, torch.Tensor] = {}
 # Registers per thread the plain q4 integer kernel takes for sm_90 (ptxas -v).
 INT_REGISTERS = 64
