@@ -29,6 +29,58 @@ from ninfer.kernels.x_split import SplitRequest, attach, producer_buffers, split
 LOG2E = 1.4426950408889634
 SPLIT_WAVES = 2  # programs per SM the split aims for (measured: 2 a little ahead of 4, 8 slower)
 SPLIT_WARPS = 4  # warps of the split kernel (tuned on the GPU machine, see bench/decode_kernels.py)
+# Under PDL, what the kernels read before their wait (`pdl_triton.READ_BEFORE_WAIT`): the split
+# kernel its sequence's length and the first page of its run (the page table's entry, and the
+# page's K and V tiles when every token on it precedes the newest, so an earlier step wrote
+# them); the merge kernel the output gate, which the q|gate|k|v product wrote three kernels
+# back. The step's inputs come from host copies before its first kernel, and the newest
+# token's K/V from the prelude, the kernel just before the split, which is why the page that
+# holds it is read after the wait. Without it the split kernel's first K tile waited on three
+# round trips after the wait: the length, the page table, the page. Built and tested under the
+# interpreter, off until timed on the GPU machine.
+READS_BEFORE_WAIT = False
+
+
+@triton.jit
+def _query(q_ptr, seq, stride_qb, heads, stride_qh, row_mask, HEAD_DIM: tl.constexpr):
+    """The query rows of a GQA group, zeros past the group."""
+    dims = tl.arange(0, HEAD_DIM)
+    return tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _page_tile(
+    cache_ptr, page, stride_p, stride_t, kv_head, stride_h, count,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """[PAGE, HEAD_DIM]: one KV head's K or V on a page, its first `count` tokens (PAGE, or 0
+    to read nothing; zeros past them)."""
+    tokens = tl.arange(0, PAGE)
+    dims = tl.arange(0, HEAD_DIM)
+    head = cache_ptr + page * stride_p + kv_head * stride_h
+    return tl.load(head + tokens[:, None] * stride_t + dims[None, :], mask=tokens[:, None] < count)
+
+
+@triton.jit
+def _attend_page(
+    q, k, v, page_index, seq_len, running_max, running_sum, acc, scale_log2,
+    PAGE: tl.constexpr,
+):  # fmt: skip
+    """The online softmax's running maximum, sum and P.V accumulator after one more page."""
+    tokens = tl.arange(0, PAGE)
+    scores = tl.dot(q, tl.trans(k)) * scale_log2  # log2 units
+    valid = (page_index * PAGE + tokens) < seq_len
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    rescale = tl.exp2(running_max - new_max)
+    probs = tl.exp2(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    return new_max, running_sum, acc
 
 
 @triton.jit
@@ -57,9 +109,13 @@ def _decode_split_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
+    """With EARLY, the sequence's length and the run's first page before the wait
+    (`READS_BEFORE_WAIT`)."""
+    if not EARLY:
+        await_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,41 +127,46 @@ def _decode_split_kernel(
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    tokens = tl.arange(0, PAGE)
     heads = kv_head * GROUP + rows
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=(rows < GROUP)[:, None],
-        other=0.0,
-    )
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for page_index in range(first_page, end_page):
+    if EARLY:
+        # the newest token is at seq_len - 1: a page wholly before it was written by an
+        # earlier step
+        first_is_old = (first_page + 1) * PAGE < seq_len
+        early_tokens = tl.where(first_is_old, PAGE, 0)
+        page = tl.load(
+            page_table_ptr + seq * stride_pt + first_page, mask=first_page < end_page, other=0
+        ).to(tl.int64)
+        k = _page_tile(k_cache_ptr, page, stride_kp, stride_kt, kv_head, stride_kh, early_tokens,
+                       PAGE, HEAD_DIM)  # fmt: skip
+        v = _page_tile(v_cache_ptr, page, stride_vp, stride_vt, kv_head, stride_vh, early_tokens,
+                       PAGE, HEAD_DIM)  # fmt: skip
+        await_inputs(PDL)
+        q = _query(q_ptr, seq, stride_qb, heads, stride_qh, rows < GROUP, HEAD_DIM)
+        if first_page < end_page:
+            if not first_is_old:  # the newest token's page, which the prelude wrote
+                k = _page_tile(k_cache_ptr, page, stride_kp, stride_kt, kv_head, stride_kh,
+                               PAGE, PAGE, HEAD_DIM)  # fmt: skip
+                v = _page_tile(v_cache_ptr, page, stride_vp, stride_vt, kv_head, stride_vh,
+                               PAGE, PAGE, HEAD_DIM)  # fmt: skip
+            running_max, running_sum, acc = _attend_page(
+                q, k, v, first_page, seq_len, running_max, running_sum, acc, scale_log2, PAGE
+            )
+        later_pages = first_page + 1
+    else:
+        q = _query(q_ptr, seq, stride_qb, heads, stride_qh, rows < GROUP, HEAD_DIM)
+        later_pages = first_page
+    for page_index in range(later_pages, end_page):
         page = tl.load(page_table_ptr + seq * stride_pt + page_index).to(tl.int64)
-        k = tl.load(
-            k_cache_ptr
-            + page * stride_kp
-            + tokens[:, None] * stride_kt
-            + kv_head * stride_kh
-            + dims[None, :]
+        k = _page_tile(k_cache_ptr, page, stride_kp, stride_kt, kv_head, stride_kh, PAGE,
+                       PAGE, HEAD_DIM)  # fmt: skip
+        v = _page_tile(v_cache_ptr, page, stride_vp, stride_vt, kv_head, stride_vh, PAGE,
+                       PAGE, HEAD_DIM)  # fmt: skip
+        running_max, running_sum, acc = _attend_page(
+            q, k, v, page_index, seq_len, running_max, running_sum, acc, scale_log2, PAGE
         )
-        scores = tl.dot(q, tl.trans(k)) * scale_log2  # log2 units
-        valid = (page_index * PAGE + tokens) < seq_len
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(running_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(
-            v_cache_ptr
-            + page * stride_vp
-            + tokens[:, None] * stride_vt
-            + kv_head * stride_vh
-            + dims[None, :]
-        )
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-        running_max = new_max
 
     part = (seq * num_heads + heads) * num_splits + split
     row_mask = rows < GROUP
@@ -134,16 +195,22 @@ def _decode_merge_kernel(
     GATED: tl.constexpr,
     SPLIT_BITS: tl.constexpr,
     SPLIT_GROUP: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[seq, head] = the runs merged; with GATED, times sigmoid(gate[seq, head]), each
     rounded to out's dtype as the separate kernels round them (out is then [B, heads *
-    HEAD_DIM], stride_oh = HEAD_DIM), and with SPLIT_BITS the head's integer-GEMV codes."""
-    await_inputs(PDL)
+    HEAD_DIM], stride_oh = HEAD_DIM), and with SPLIT_BITS the head's integer-GEMV codes. With
+    EARLY, the gate is read before the wait (`READS_BEFORE_WAIT`)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
+    gate_row = gate_ptr + seq * stride_gb + head * stride_gh + dims
+    if GATED:
+        if EARLY:
+            gate = tl.load(gate_row)
+    await_inputs(PDL)
     base = (seq * tl.num_programs(1) + head) * num_splits
     used = splits < num_splits
     maxima = tl.load(part_max_ptr + base + splits, mask=used, other=float("-inf"))
@@ -158,7 +225,8 @@ def _decode_merge_kernel(
     out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
     out = out.to(out_ptr.dtype.element_ty)
     if GATED:
-        gate = tl.load(gate_ptr + seq * stride_gb + head * stride_gh + dims)
+        if not EARLY:
+            gate = tl.load(gate_row)
         # rounded to the activation dtype before the product, as torch.sigmoid's output is
         sig = tl.sigmoid(gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
         out = (out.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -288,6 +356,7 @@ def _decode(
         GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         PAGE=PAGE_SIZE,
+        EARLY=READS_BEFORE_WAIT,
         num_warps=SPLIT_WARPS,
         num_stages=2,
         **pdl_options(q.device),
@@ -308,6 +377,7 @@ def _decode(
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         GATED=gate is not None,
+        EARLY=READS_BEFORE_WAIT,
         **split_constants,
         num_warps=4,
         **pdl_options(part_out.device),

@@ -47,6 +47,11 @@ READ_BEFORE_WAIT = {
     "_gated_rms_norm_kernel": "the norm weight, and z: the GDN in projection's output, with "
     "the recurrent or chunked rule's kernels between wherever the norm runs",
     "_moe_router_route_kernel": "with the norm inside: the router rows, the norm weight",
+    "_decode_split_kernel": "with READS_BEFORE_WAIT: the sequence's length and page table "
+    "(host copies before the step), and its run's first page when every token on it precedes "
+    "the newest (written by an earlier step)",
+    "_decode_merge_kernel": "with READS_BEFORE_WAIT: the output gate (the q|gate|k|v "
+    "product's, three kernels back)",
 }
 
 # The memory order of an arrival counter's reset by the last program to arrive (the split-K

@@ -351,6 +351,9 @@ def cases():
         ("paged decode attention", lambda: kc.check_paged_attention(
             paged_attention_triton, [1, 300], 24, 4, 256, BF16, cpu, 1e-2)),
         ("paged decode attention with the output gate", gated_decode_attention),
+        # a run of several pages a program: the split kernel's loop
+        ("paged decode attention, several pages a split", lambda: kc.check_paged_attention(
+            paged_attention_triton, [1, 5000], 24, 4, 256, BF16, cpu, 1e-2)),
         ("paged prefill attention", lambda: kc.check_paged_prefill_attention(
             paged_attention_prefill_triton, [0, 40], [17, 64], 24, 4, 256, BF16, cpu, 1e-2)),
         ("kv write", lambda: kc.check_kv_write(kv_write_triton, 8, 4, 256, BF16, cpu)),
