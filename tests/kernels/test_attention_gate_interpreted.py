@@ -32,10 +32,14 @@ def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype=torch.floa
     return q.contiguous(), k_cache, v_cache, page_table, lens, head_dim**-0.5, gate
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["after-wait", "before-wait"])
 @pytest.mark.parametrize("max_seq_len", [None, "given"])
-def test_the_gate_in_the_merge_is_the_two_kernels_bit_for_bit(max_seq_len):
+def test_the_gate_in_the_merge_is_the_two_kernels_bit_for_bit(max_seq_len, early, monkeypatch):
+    """With READS_BEFORE_WAIT the split kernel's first page and the merge's gate are read
+    before the wait: the same bits."""
     torch.manual_seed(0)
     attention = load_kernel_module("paged_attention_triton")
+    monkeypatch.setattr(attention, "READS_BEFORE_WAIT", early)
     output_gate = load_kernel_module("output_gate_triton")
     seq_lens = [1, 70, 200]
     q, k_cache, v_cache, page_table, lens, scale, gate = attention_case(seq_lens, 8, 2, 64)
