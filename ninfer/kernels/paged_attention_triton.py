@@ -36,8 +36,10 @@ SPLIT_WARPS = 4  # warps of the split kernel (tuned on the GPU machine, see benc
 # back. The step's inputs come from host copies before its first kernel, and the newest
 # token's K/V from the prelude, the kernel just before the split, which is why the page that
 # holds it is read after the wait. Without it the split kernel's first K tile waited on three
-# round trips after the wait: the length, the page table, the page. Built and tested under the
-# interpreter, off until timed on the GPU machine.
+# round trips after the wait: the length, the page table, the page. Off: compiled for sm_90,
+# the split kernel then takes 255 registers (173 without), and on the H200 the C=1 steps ran a
+# little slower with it (27B q4 4.84 against 4.82-4.83 ms, 35B-A3B q4 1.37 against 1.35-1.36
+# ms; docs/performance.md, Measurement 37). Not timed at long contexts.
 READS_BEFORE_WAIT = False
 
 
