@@ -56,7 +56,7 @@ import triton
 from ninfer.kernels.gdn_gates_triton import _log_decay  # a Triton function Gluon calls as is
 from ninfer.kernels.norm_fold import SQUARE_COLUMNS, HeadNormedRows, NormAfter, NormedRows
 from ninfer.kernels.pdl_triton import COUNTER_RESET_SEM, pdl_options
-from ninfer.kernels.triton_support import device_name, num_sms
+from ninfer.kernels.triton_support import device_name, num_sms, programs_per_sm
 from ninfer.quant import EncodedTensor
 
 try:  # Gluon's Hopper modules (Triton 3.6 and 3.9 are the versions checked)
@@ -99,6 +99,11 @@ WEIGHT_ORDER = (0, 3, 6, 5, 1, 2, 4)
 X_ORDER = (0, 3, 5, 6, 1, 2, 4)
 # The first tiles' codes and scales are asked for before the PDL wait.
 WEIGHTS_BEFORE_WAIT = True
+# Shares a row block is split into where the row blocks are more than the SMs hold at once, and
+# those past it would run as a short second wave (the 27B gate|up at eight rows: 544 blocks of
+# 64 rows, 528 resident at four programs an SM). Each tail block's tiles are split among this
+# many programs that add their partials up (`_tail_sum`). 1: no split.
+TAIL_SPLITS = 1
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -313,6 +318,29 @@ sub.rn.bf16x2 $3, p3, bias;
         at = gl.expand_dims(x_rows, 0) * N + gl.expand_dims(rows, 1)
         mask = (gl.expand_dims(x_rows, 0) < M) & (gl.expand_dims(rows, 1) < N)
         gl.store(out_ptr + at, values, mask=mask)
+
+    @gluon.jit
+    def _tail_sum(
+        acc, partial_ptr, counters_ptr, block, split, splits, BN: gl.constexpr, MMA: gl.constexpr
+    ):
+        """A tail block's share (`_q4_tc_kernel`'s TAIL): write this split's [BN, 8] fp32 partial,
+        arrive at the block's counter, and for the last to arrive, the partials added up in
+        split order (the same bits whichever arrives last) and the counter reset. Returns
+        (the sum, or acc where not the last; whether this program is the last)."""
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        columns = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        at = block * splits * (BN * 8) + gl.expand_dims(rows, 1) * 8 + gl.expand_dims(columns, 0)
+        gl.store(partial_ptr + at + split * (BN * 8), acc)
+        _barrier()  # every thread's partial is written before the arrival counts
+        counter = counters_ptr + block
+        last = gl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+        if last:
+            acc = gl.zeros([BN, 8], gl.float32, MMA)
+            for s in range(0, splits):
+                # .cg reads from L2, where the other programs' partials are
+                acc += gl.load(partial_ptr + at + s * (BN * 8), cache_modifier=".cg")
+            gl.atomic_xchg(counter, 0, sem=COUNTER_RESET_SEM)
+        return acc, last
 
     @gluon.jit
     def _out_index(n0, M, N, BN: gl.constexpr, MMA: gl.constexpr):
@@ -570,6 +598,10 @@ sub.rn.bf16x2 $3, p3, bias;
         CONV: gl.constexpr,
         GATES: gl.constexpr,
         GATE_CHUNKS: gl.constexpr,
+        full_blocks=0,
+        tail_splits=1,
+        tail_per_split=1,
+        TAIL: gl.constexpr = False,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -587,7 +619,11 @@ sub.rn.bf16x2 $3, p3, bias;
         sequence m's one token, and the program writes their causal conv instead
         (`_conv_out`). With GATES, the grid's programs after the product's (one a b|a row)
         compute a GDN layer's gates from x instead (`_gates_program`), reading x through
-        plain pointers (x_ptr) while the product's programs stream the weight."""
+        plain pointers (x_ptr) while the product's programs stream the weight. With TAIL, the
+        row blocks from full_blocks on, which would run as a second wave, are split: program
+        full_blocks + tail_splits * b + s takes tiles s * tail_per_split ... of block
+        full_blocks + b, writes its fp32 partial, and the last to arrive at the block's
+        counter adds them up and runs the epilogue."""
         conv = (
             conv_taps_ptr,
             windows_ptr,
@@ -671,12 +707,20 @@ sub.rn.bf16x2 $3, p3, bias;
             gl.static_assert(not (SWIGLU and SPLIT_K))
             gl.static_assert(not (SWIGLU and FOLD))
             gl.static_assert(not (CONV and (SWIGLU or FOLD or SPLIT_K)))
+            gl.static_assert(not (TAIL and (SPLIT_K or FOLD or CONV or GATES)))
 
             pid_n = gl.program_id(0)
             split = gl.program_id(1)
-            n0 = pid_n * (BN // 2 if SWIGLU else BN)
             first = split * tiles_per_split
             count = gl.minimum(num_tiles - first, tiles_per_split)
+            if TAIL:
+                if pid_n >= full_blocks:  # a share of a tail block's tiles
+                    tail = pid_n - full_blocks
+                    split = tail % tail_splits
+                    pid_n = full_blocks + tail // tail_splits
+                    first = split * tail_per_split
+                    count = gl.minimum(num_tiles - first, tail_per_split)
+            n0 = pid_n * (BN // 2 if SWIGLU else BN)
 
             x_ring = gl.allocate_shared_memory(
                 gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout
@@ -830,7 +874,26 @@ sub.rn.bf16x2 $3, p3, bias;
             if ROW_SCALE:
                 scale = _row_scale(squares, inv_width, eps, MMA)
                 acc = acc * gl.expand_dims(scale, 0)
-            if SWIGLU:
+            if TAIL:
+                last = pid_n < full_blocks
+                if pid_n >= full_blocks:
+                    acc, last = _tail_sum(
+                        acc,
+                        partial_ptr,
+                        counters_ptr,
+                        pid_n - full_blocks,
+                        split,
+                        tail_splits,
+                        BN,
+                        MMA,
+                    )
+                if last:  # a whole block, or the last share of a tail block to arrive
+                    if SWIGLU:
+                        _swiglu_out(acc, out_ptr, M, N, n0, BN)
+                    else:
+                        rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+                        gl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            elif SWIGLU:
                 _swiglu_out(acc, out_ptr, M, N, n0, BN)
             else:
                 rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
@@ -1155,6 +1218,32 @@ def _splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(num_tiles, per_split), per_split
 
 
+def resident_programs(block_n: int, stages: int, device: torch.device) -> int:
+    """How many programs of the product at (block_n, stages) the device's SMs hold at once, by
+    their shared memory (`triton_support.programs_per_sm`): the ring's slots and mbarriers,
+    which the compiled kernel's shared memory is (51,216 bytes at 64 rows and two slots; the
+    SwiGLU epilogue's tile reuses the ring's)."""
+    slot = GROUPS * 8 * GROUP * 2 + block_n * GROUPS * 8 * 4 + block_n * GROUPS * 2
+    return programs_per_sm(stages * (slot + 8), 0, 4)[0] * num_sms(device)
+
+
+def _tail(blocks: int, num_tiles: int, block_n: int, stages: int, device: torch.device):
+    """(full blocks, tail blocks, splits of a tail block, tiles a split): the row blocks past
+    what the SMs hold at once split TAIL_SPLITS ways, where they are a short second wave and
+    the counters are there; else every block whole."""
+    from ninfer.kernels.groupwise_gemv_triton import tile_counters
+
+    resident = resident_programs(block_n, stages, device)
+    extra = blocks - resident
+    splits = min(TAIL_SPLITS, num_tiles)
+    if splits < 2 or extra <= 0 or extra * splits > resident:
+        return blocks, 0, 1, num_tiles
+    if tile_counters(device, extra) is None:
+        return blocks, 0, 1, num_tiles
+    per_split = triton.cdiv(num_tiles, splits)
+    return resident, extra, triton.cdiv(num_tiles, per_split), per_split
+
+
 def _launch(
     x: torch.Tensor | NormedRows | HeadNormedRows,
     weight: EncodedTensor,
@@ -1183,6 +1272,16 @@ def _launch(
     if splits > 1:
         partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     q6 = weight.format == "q6_g64_fp16"
+    full, tail_blocks, tail_splits, tail_per_split = blocks, 0, 1, num_tiles
+    if splits == 1 and not q6 and after is None and conv is None and gates is None:
+        full, tail_blocks, tail_splits, tail_per_split = _tail(
+            blocks, num_tiles, block_n, stages, x.device
+        )
+    if tail_blocks:
+        counters = tile_counters(x.device, tail_blocks)
+        partial = torch.empty(
+            tail_blocks * tail_splits * block_n * 8, dtype=torch.float32, device=x.device
+        )
     # a folded norm on either side (`norm_fold`); unused pointers are `out`
     residual = norm_weight = total = squares = squares_in = out
     eps, square_blocks = 0.0, 1
@@ -1223,7 +1322,7 @@ def _launch(
         gate_args += (gates.A_log, gates.dt_bias, g, beta)
         gate_programs, gate_outputs = 2 * heads, (g, beta)  # one b|a row each
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
-    _q4_tc_kernel[(blocks + gate_programs, splits)](
+    _q4_tc_kernel[(full + tail_blocks * tail_splits + gate_programs, splits)](
         x_desc,
         w_desc,
         s_desc,
@@ -1252,7 +1351,7 @@ def _launch(
         BN=block_n,
         GROUPS=GROUPS,
         STAGES=stages,
-        SPLIT_K=counters is not None,
+        SPLIT_K=splits > 1 and counters is not None,
         WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT,
         SWIGLU=swiglu,
         Q6=q6,
@@ -1265,6 +1364,10 @@ def _launch(
         CONV=conv is not None,
         GATES=gates is not None,
         GATE_CHUNKS=triton.next_power_of_2(triton.cdiv(k, 1024)),
+        full_blocks=full,
+        tail_splits=tail_splits,
+        tail_per_split=tail_per_split,
+        TAIL=tail_blocks > 0,
         num_warps=4,
         **pdl_options(x.device),
     )

@@ -184,6 +184,82 @@ def test_gluon_swiglu_product_at_every_setting(monkeypatch, pdl, setting):
         assert torch.equal(groupwise_gemv_gluon.q4_swiglu_linear(x, weight), expected)
 
 
+def _tailed(monkeypatch, splits):
+    """64 rows and two slots for every product (four programs an SM), K never split, the
+    tail blocks split `splits` ways."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    _unsplit(monkeypatch)
+    monkeypatch.setattr(groupwise_gemv_gluon, "BLOCK_N", 64)
+    monkeypatch.setattr(groupwise_gemv_gluon, "STAGES", 2)
+    monkeypatch.setattr(groupwise_gemv_gluon, "TAIL_SPLITS", splits)
+
+
+@pytest.mark.parametrize("m", [2, 8])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_gluon_tail_blocks_split_at_the_27b_gate_up(monkeypatch, swiglu, m):
+    """`TAIL_SPLITS`: the 27B gate|up's row blocks past a full wave (16 of 544 on an H200)
+    split five ways. The whole blocks give the unsplit kernel's bits, the split ones its
+    values within the partials' rounding, all near the fp32 product; a second call the same
+    bits (the counters reset)."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    _tailed(monkeypatch, 5)
+    full, tail, _, _ = groupwise_gemv_gluon._tail(544, 10, 64, 2, torch.device("cuda"))
+    if not tail:
+        pytest.skip("this GPU holds every row block at once")
+    torch.manual_seed(m)
+    weight = get_format(Q4).encode(torch.randn(34816, 5120, device="cuda") * 0.05)
+    x = torch.randn(m, 5120, device="cuda").to(torch.bfloat16)
+    product = groupwise_gemv_gluon.q4_swiglu_linear if swiglu else groupwise_gemv_gluon.q4_linear
+    out = product(x, weight)
+    assert torch.equal(product(x, weight), out)
+    monkeypatch.setattr(groupwise_gemv_gluon, "TAIL_SPLITS", 1)
+    whole = product(x, weight)
+    edge = full * (32 if swiglu else 64)  # outputs of the whole blocks
+    assert torch.equal(out[:, :edge], whole[:, :edge])
+    assert relative_error(out[:, edge:], whole[:, edge:].float()) < 4e-3
+    exact = x.float() @ weight.decode(torch.float32).T
+    if swiglu:
+        gate, up = exact.chunk(2, dim=-1)
+        exact = torch.nn.functional.silu(gate) * up
+    assert relative_error(out, exact) < 8e-3
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_gluon_tail_blocks_split_where_few_programs_fit(monkeypatch, pdl, swiglu):
+    """With the SMs said to hold 24 programs, 32 row blocks of 64 (the last not full) are 24
+    whole and 8 split three ways over 8 tiles (3, 3 and 2): the fp32 product's values, with
+    PDL on and off."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    monkeypatch.setenv("NINFER_PDL", pdl)
+    _tailed(monkeypatch, 3)
+    monkeypatch.setattr(groupwise_gemv_gluon, "resident_programs", lambda *args: 24)
+    n = 2 * 1000 if swiglu else 2000
+    # 32 row blocks either way: 1000 rows of each half, 32 a block, or 2000 rows, 64 a block
+    assert groupwise_gemv_gluon._tail(32, 8, 64, 2, torch.device("cuda")) == (24, 8, 3, 3)
+    torch.manual_seed(7)
+    weight = get_format(Q4).encode(torch.randn(n, 4096, device="cuda") * 0.05)
+    x = torch.randn(6, 4096, device="cuda").to(torch.bfloat16)
+    exact = x.float() @ weight.decode(torch.float32).T
+    if swiglu:
+        gate, up = exact.chunk(2, dim=-1)
+        out, exact = (
+            groupwise_gemv_gluon.q4_swiglu_linear(x, weight),
+            torch.nn.functional.silu(gate) * up,
+        )
+    else:
+        out = groupwise_gemv_gluon.q4_linear(x, weight)
+    assert relative_error(out, exact) < 8e-3
+    monkeypatch.setattr(groupwise_gemv_gluon, "TAIL_SPLITS", 1)
+    product = groupwise_gemv_gluon.q4_swiglu_linear if swiglu else groupwise_gemv_gluon.q4_linear
+    whole = product(x, weight)
+    edge = 24 * (32 if swiglu else 64)
+    assert torch.equal(out[:, :edge], whole[:, :edge])
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 12])
 def test_mlp_runs_its_swiglu_in_the_product_at_two_to_eight_rows(monkeypatch, rows):
     """An MLP with q4 weights: at two to eight rows one launch does gate|up and the SwiGLU,

@@ -183,3 +183,29 @@ def test_a_norm_folds_into_a_split_product_only_with_its_counters(monkeypatch):
         assert groupwise_gemv_gluon.takes_norm_after(x, gate_up)
     q8 = get_format("q8_g32_fp16").encode(torch.zeros(64, 512))
     assert not groupwise_gemv_gluon.takes_norm_after(x, q8)
+
+
+def test_row_blocks_past_a_full_wave_split_where_they_are_a_short_second_wave(monkeypatch):
+    """`TAIL_SPLITS`: at 132 SMs, 64 rows and two ring slots (51,216 bytes, four programs an
+    SM), the 27B gate|up's 544 row blocks are 528 whole ones and 16 split; nothing splits
+    where the blocks fit, where the tail would be a wave of its own, without the counters, or
+    with the switch at one."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_q4
+    from ninfer.kernels import groupwise_gemv_triton
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(gluon_q4, "num_sms", lambda device: 132)
+    monkeypatch.setattr(groupwise_gemv_triton, "tile_counters", lambda device, needed: object())
+    monkeypatch.setattr(gluon_q4, "TAIL_SPLITS", 5)
+    assert gluon_q4.resident_programs(64, 2, cuda) == 528
+    assert gluon_q4.resident_programs(64, 3, cuda) == 264  # 76,824 bytes: two an SM
+    assert gluon_q4._tail(544, 10, 64, 2, cuda) == (528, 16, 5, 2)
+    assert gluon_q4._tail(544, 8, 64, 2, cuda) == (528, 16, 4, 2)  # 2, 2, 2, 2 tiles
+    assert gluon_q4._tail(544, 3, 64, 2, cuda) == (528, 16, 3, 1)
+    assert gluon_q4._tail(256, 10, 64, 3, cuda) == (256, 0, 1, 10)  # one wave
+    assert gluon_q4._tail(700, 10, 64, 2, cuda) == (700, 0, 1, 10)  # 172 x 5 > 528
+    monkeypatch.setattr(groupwise_gemv_triton, "tile_counters", lambda device, needed: None)
+    assert gluon_q4._tail(544, 10, 64, 2, cuda) == (544, 0, 1, 10)
+    monkeypatch.setattr(groupwise_gemv_triton, "tile_counters", lambda device, needed: object())
+    monkeypatch.setattr(gluon_q4, "TAIL_SPLITS", 1)
+    assert gluon_q4._tail(544, 10, 64, 2, cuda) == (544, 0, 1, 10)

@@ -198,6 +198,20 @@ def cases():
         weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
         groupwise_gemv_gluon.q4_swiglu_linear(torch.randn(m, k, dtype=BF16), weight)
 
+    def gluon_q4_tail(m: int, n: int, k: int, swiglu: bool) -> None:
+        # the row blocks past what the SMs hold split five ways (`TAIL_SPLITS`)
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
+        product = groupwise_gemv_gluon.q4_swiglu_linear if swiglu else groupwise_gemv_gluon.q4_linear
+        held = groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES
+        # two slots, as the H200's setting for the 27B gate|up: four programs an SM
+        groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES = 5, 2
+        try:
+            product(torch.randn(m, k, dtype=BF16), weight)
+        finally:
+            groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES = held
+
     def gluon_q4_folded(m: int, n: int, k: int) -> None:
         # the producer's epilogue with the next norm, then a consumer taking its rows
         from ninfer.kernels import groupwise_gemv_gluon
@@ -399,6 +413,9 @@ def cases():
         ("tensor-core gemv q4 in gluon", lambda: gluon_q4(8, 34816, 5120)),
         ("tensor-core gemv q4 in gluon, split-K", lambda: gluon_q4(3, 5120, 17408)),
         ("tensor-core gemv q4 in gluon, swiglu", lambda: gluon_q4_swiglu(8, 34816, 5120)),
+        ("tensor-core gemv q4 in gluon, swiglu, tail split",
+            lambda: gluon_q4_tail(8, 34816, 5120, True)),
+        ("tensor-core gemv q4 in gluon, tail split", lambda: gluon_q4_tail(8, 34816, 5120, False)),
         ("tensor-core gemv q6 in gluon", lambda: gluon_q6(8, 248320, 5120)),
         ("tensor-core gemv q4 in gluon, norm folded", lambda: gluon_q4_folded(8, 5120, 6144)),
         ("tensor-core gemv q4 in gluon, norm folded, split-K",
