@@ -27,6 +27,9 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
 - Where the row blocks alone give too few programs, K is split; each split writes an fp32
   partial, and the split that arrives last at its row block's counter adds them up and
   writes the result (the Triton kernel's scheme and counters).
+- Where the row blocks are more than the SMs hold at once and the rest would be a short second
+  wave (the 27B gate|up at eight rows), the blocks past the first wave are split the same way
+  among `TAIL_SPLITS` programs each (`_tail_sum`), so the second wave's programs are short.
 - `q6_linear` reads a q6_g64 weight (the heads) the same way: its codes plane is q4's (the low
   four bits) and a second TMA box brings the group's high-bit words, which `_Q6_PAIRS_PTX`
   puts under each pair's nibbles (two more `lop3`s and a shift a pair).
@@ -102,8 +105,10 @@ WEIGHTS_BEFORE_WAIT = True
 # Shares a row block is split into where the row blocks are more than the SMs hold at once, and
 # those past it would run as a short second wave (the 27B gate|up at eight rows: 544 blocks of
 # 64 rows, 528 resident at four programs an SM). Each tail block's tiles are split among this
-# many programs that add their partials up (`_tail_sum`). 1: no split.
-TAIL_SPLITS = 1
+# many programs that add their partials up (`_tail_sum`). 1: no split. On the H200, five took
+# the 27B q4 C=8 step from 6.66-6.67 to 6.51-6.52 ms (three: 6.54); the gate|up alone gained
+# only 0.57 us (docs/performance.md, Measurement 38).
+TAIL_SPLITS = 5
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -1021,7 +1026,8 @@ def _config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
 def swiglu_fits(x: torch.Tensor, weight: EncodedTensor) -> bool:
     """Whether `q4_swiglu_linear` takes this product: as `fits`, with an even number of rows
     (gate's over up's), where `q4_linear` would not split K either (so both forms run the same
-    programs and give the same bits; the 27B gate|up product has 544 row blocks)."""
+    programs and give the same bits, but for the tail blocks `TAIL_SPLITS` splits; the 27B
+    gate|up product has 544 row blocks)."""
     n, k = weight.shape
     return (
         weight.format == "q4_g64_fp16"
@@ -1122,8 +1128,10 @@ def q6_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tens
 def q4_swiglu_linear(x: torch.Tensor | NormedRows, weight: EncodedTensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for a q4_g64 weight [2F, K] stacking gate's rows over
     up's, as `swiglu_fits` checked: [M, F] bf16, bit for bit `q4_linear` followed by
-    `swiglu_triton.silu_mul` of its halves, in one launch. K is never split (its programs
-    would have to meet to add up both halves); the 27B gate|up product is not split anyway."""
+    `swiglu_triton.silu_mul` of its halves, in one launch. K is not split as `q4_linear`
+    splits it; only the row blocks past a full wave are (`TAIL_SPLITS`), and the last share of
+    such a block to arrive adds up the partials and runs the SwiGLU. Those blocks' outputs are
+    then within the partials' rounding of the two launches, not their bits."""
     return _launch(x, weight, swiglu=True)
 
 
