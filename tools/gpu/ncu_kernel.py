@@ -16,8 +16,10 @@ inside), `norm` (`_rms_norm_kernel`, a 27B decoder norm: 5120 wide, the residual
 codes), and the 27B one-row q4 products (`_groupwise_gemv_int_kernel`, x split beforehand as
 the step's producers split it): `in` (the GDN q|k|v|z, 16384 x 5120), `attention`
 (q|gate|k|v, 14336 x 5120), `out` (5120 x 6144), `gate-up` (34816 x 5120), `down`
-(5120 x 17408). Nsight Compute flushes the caches between its passes (its default), so each
-product reads its weight from DRAM, as in a step.
+(5120 x 17408); and the same products at eight x rows in Gluon (`_q4_tc_kernel`), as a C=8
+step runs them at the device's settings: `gate-up-8` (with the SwiGLU), `down-8`, `out-8`,
+`attention-8` (q|gate, 12288 x 5120). Nsight Compute flushes the caches between its passes
+(its default), so each product reads its weight from DRAM, as in a step.
 
 Reading the report's source page, on any machine:
 
@@ -49,7 +51,14 @@ PRODUCTS = {
     "gate-up": (34816, 5120),
     "down": (5120, 17408),
 }
-CASES = "route, router, norm, gated-norm, " + ", ".join(PRODUCTS)
+# ... and at eight x rows, in Gluon
+EIGHT_ROW_PRODUCTS = {
+    "gate-up-8": (34816, 5120),
+    "down-8": (5120, 17408),
+    "out-8": (5120, 6144),
+    "attention-8": (12288, 5120),
+}
+CASES = "route, router, norm, gated-norm, " + ", ".join([*PRODUCTS, *EIGHT_ROW_PRODUCTS])
 
 
 def _calls(case: str):
@@ -94,6 +103,16 @@ def _calls(case: str):
         x = torch.randn(1, k, device=dev, dtype=bf16)
         attach(x, SplitRequest(4, 64, 1), groupwise_gemv_triton.split_x(x, 4, 64, k))
         return lambda i: groupwise_gemv_triton.integer_linear(x, weight)
+    if case in EIGHT_ROW_PRODUCTS:
+        from ninfer.kernels import groupwise_gemv_gluon
+        from ninfer.quant import get_format
+
+        n, k = EIGHT_ROW_PRODUCTS[case]
+        weight = get_format("q4_g64_fp16").encode(torch.randn(n, k, device=dev) * 0.02)
+        x = torch.randn(8, k, device=dev, dtype=bf16)
+        if case == "gate-up-8":
+            return lambda i: groupwise_gemv_gluon.q4_swiglu_linear(x, weight)
+        return lambda i: groupwise_gemv_gluon.q4_linear(x, weight)
     raise SystemExit(f"ncu_kernel: no case {case!r} ({CASES})")
 
 
