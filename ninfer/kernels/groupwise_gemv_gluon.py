@@ -39,8 +39,9 @@ The product is the weight first (`mma.sync m16n8k16`, 16 weight rows by x's 8 ro
   [M, 2F] product's round trip go away. Same loop, same programs as the plain product.
 - `q4_linear_conv` runs a GDN layer's in projection at a decode step: the causal conv of its
   q|k|v channels in the epilogue (`_conv_out`), and the layer's gates from x in programs
-  after the product's in the grid (`_gates_program`, one b|a row each), so the conv and
-  gates kernel that ran between the product and the recurrent kernel goes.
+  after the product's in the grid (`_gates_program`, one b|a row each, or a share of its
+  tokens with `GATE_TOKEN_SHARES`), so the conv and gates kernel that ran between the
+  product and the recurrent kernel goes.
 
 References: `groupwise_gemv.groupwise_linear`, `groupwise_gemv.swiglu_linear`,
 `causal_conv1d.causal_conv1d`, `gdn_gates.gdn_gates_from_x`. Loop cost and timings:
@@ -109,6 +110,12 @@ WEIGHTS_BEFORE_WAIT = True
 # the 27B q4 C=8 step from 6.66-6.67 to 6.51-6.52 ms (three: 6.54); the gate|up alone gained
 # only 0.57 us (docs/performance.md, Measurement 38).
 TAIL_SPLITS = 5
+# Programs a GDN in projection's gates row is split among by tokens (1, 2, 4 or 8), each taking
+# 8 / GATE_TOKEN_SHARES of the step's tokens (`_gates_program`): a gates program's time is its
+# chain of x loads token by token (docs/performance.md, Measurement 29), and at eight sequences
+# the 27B layer's 96 rows run after the product's row blocks. Compiled for sm_90, not yet run
+# on the GPU machine: 1.
+GATE_TOKEN_SHARES = 1
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -476,6 +483,7 @@ sub.rn.bf16x2 $3, p3, bias;
     @gluon.jit
     def _gates_program(
         row,
+        first_token,
         gates,
         M,
         K,
@@ -487,8 +495,10 @@ sub.rn.bf16x2 $3, p3, bias;
         ROW_SCALE: gl.constexpr,
         SQUARE_BLOCKS: gl.constexpr,
         CHUNKS: gl.constexpr,
+        SHARE: gl.constexpr,
     ):
-        """One b|a row of a GDN layer's gates from its input x, for every token (x row):
+        """One b|a row of a GDN layer's gates from its input x, for the SHARE tokens (x rows)
+        from first_token on (every token where SHARE is 8):
         `gdn_gates_triton.gdn_gates_from_x`'s dot products (fp32, in another order, rounded to
         x's dtype; with ROW_SCALE each token's folded-norm factor first), then beta =
         sigmoid(b) for a b row, g = -exp(A_log) * softplus(a + dt_bias) for an a row. These
@@ -523,7 +533,8 @@ sub.rn.bf16x2 $3, p3, bias;
         TOKENS: gl.constexpr = gl.SliceLayout(1, SUMS)
         tokens = gl.arange(0, 8, layout=TOKENS)
         sums = gl.zeros([8, 128], gl.float32, SUMS)
-        for t in gl.static_range(8):
+        for i in gl.static_range(SHARE):
+            t = first_token + i
             x = gl.load(x_ptr + t * stride_x + cols, mask=in_k & (t < M), other=0.0)
             part = gl.sum(gl.sum(w * x.to(gl.float32), axis=2), axis=0)  # [128]
             part = gl.expand_dims(gl.convert_layout(part, gl.SliceLayout(0, SUMS)), 0)
@@ -533,17 +544,16 @@ sub.rn.bf16x2 $3, p3, bias;
             scale = gl.rsqrt(gl.sum(squares, axis=0) * inv_width + eps)
             dots = dots * gl.convert_layout(scale, TOKENS)
         dots = dots.to(x_ptr.dtype.element_ty).to(gl.float32)
+        mine = (tokens < M) & (tokens >= first_token) & (tokens < first_token + SHARE)
         if row < heads:
             at = tokens * heads + row
             beta = 1 / (1 + gl.exp(-dots))
-            gl.store(beta_ptr + at, beta.to(beta_ptr.dtype.element_ty), mask=tokens < M)
+            gl.store(beta_ptr + at, beta.to(beta_ptr.dtype.element_ty), mask=mine)
         else:
             head = row - heads
             A_log = gl.load(A_log_ptr + head).to(gl.float32)
             dt_bias = gl.load(dt_bias_ptr + head).to(gl.float32)
-            gl.store(
-                g_ptr + tokens * heads + head, _log_decay(dots, A_log, dt_bias), mask=tokens < M
-            )
+            gl.store(g_ptr + tokens * heads + head, _log_decay(dots, A_log, dt_bias), mask=mine)
 
     @gluon.jit
     def _q4_tc_kernel(
@@ -607,6 +617,8 @@ sub.rn.bf16x2 $3, p3, bias;
         tail_splits=1,
         tail_per_split=1,
         TAIL: gl.constexpr = False,
+        gate_shares=1,
+        GATE_TOKENS: gl.constexpr = 8,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -652,7 +664,8 @@ sub.rn.bf16x2 $3, p3, bias;
                 beta_ptr,
             )
             _gates_program(
-                gl.program_id(0) - products,
+                (gl.program_id(0) - products) // gate_shares,
+                (gl.program_id(0) - products) % gate_shares * GATE_TOKENS,
                 gates,
                 M,
                 num_tiles * (GROUPS * _GROUP),
@@ -664,6 +677,7 @@ sub.rn.bf16x2 $3, p3, bias;
                 ROW_SCALE,
                 SQUARE_BLOCKS,
                 GATE_CHUNKS,
+                GATE_TOKENS,
             )
         else:
             R: gl.constexpr = BN // 64  # 16-row blocks per warp
@@ -1322,13 +1336,16 @@ def _launch(
         )
     gate_args = (x, x.stride(0), out, 0, 0, out, out, out, out)
     gate_programs, gate_outputs = 0, None
+    gate_tokens, gate_shares = MAX_ROWS // GATE_TOKEN_SHARES, 1
     if gates is not None:
         heads = gates.ba.shape[0] // 2
         g = torch.empty(m, heads, dtype=torch.float32, device=x.device)
         beta = torch.empty(m, heads, dtype=x.dtype, device=x.device)
         gate_args = (x, x.stride(0), gates.ba, gates.ba.stride(0), heads)
         gate_args += (gates.A_log, gates.dt_bias, g, beta)
-        gate_programs, gate_outputs = 2 * heads, (g, beta)  # one b|a row each
+        # a b|a row and GATE_TOKENS tokens each
+        gate_shares = triton.cdiv(m, gate_tokens)
+        gate_programs, gate_outputs = 2 * heads * gate_shares, (g, beta)
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(full + tail_blocks * tail_splits + gate_programs, splits)](
         x_desc,
@@ -1376,6 +1393,8 @@ def _launch(
         tail_splits=tail_splits,
         tail_per_split=tail_per_split,
         TAIL=tail_blocks > 0,
+        gate_shares=gate_shares,
+        GATE_TOKENS=gate_tokens,
         num_warps=4,
         **pdl_options(x.device),
     )

@@ -2,8 +2,9 @@
 (`groupwise_gemv_gluon.q4_linear_conv`) on the GPU: the causal conv in the product's epilogue
 bit for bit the product followed by the conv kernel (outputs and windows), the gates in
 programs of its grid within a rounding of the exact b|a product, at the 27B and 35B-A3B
-shapes, x plain or a folded norm's rows, PDL on and off; what the kernel refuses; and a GDN
-layer's decode step through it against the step with the conv and gates kernel apart."""
+shapes, x plain or a folded norm's rows, PDL on and off, each gates row in one program or
+split by tokens; what the kernel refuses; and a GDN layer's decode step through it against
+the step with the conv and gates kernel apart."""
 
 from __future__ import annotations
 
@@ -93,6 +94,29 @@ def test_in_projection_with_conv_and_gates(monkeypatch, shape, m, folded, pdl):
     out_alone, no_gates = gluon_gemv.q4_linear_conv(x, weight, alone)
     assert no_gates is None
     assert torch.equal(out_alone, out) and torch.equal(alone.windows, ref_windows)
+
+
+@pytest.mark.parametrize("shares", [2, 4, 8])
+@pytest.mark.parametrize("folded", [False, True], ids=["plain", "folded"])
+@pytest.mark.parametrize("m", [2, 5, 8])
+def test_gates_split_by_tokens_give_the_same_bits(monkeypatch, m, folded, shares):
+    """`GATE_TOKEN_SHARES`: a gates row split among programs of 8 / shares tokens each (as
+    many as the step's tokens need) gives g and beta bit for bit the one-program form, and
+    the same conv outputs, at the 27B shape."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
+
+    torch.manual_seed(m + 10)
+    weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer("27b", m)
+    x, _ = _input(m, ba.shape[1], folded)
+    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
+    runs = []
+    for split in (1, shares):
+        monkeypatch.setattr(gluon_gemv, "GATE_TOKEN_SHARES", split)
+        conv = gluon_gemv.GdnConv(taps, windows.clone(), state_slots)
+        out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+        runs.append((out, g, beta, conv.windows))
+    for one, split in zip(*runs, strict=True):
+        assert torch.equal(one, split)
 
 
 def test_in_projection_with_conv_takes_only_what_fits():

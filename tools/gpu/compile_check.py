@@ -249,7 +249,7 @@ def cases():
         groupwise_gemv_gluon.q4_linear(rows, weight, after)
         groupwise_gemv_gluon.q4_linear(rows, weight)
 
-    def gluon_in_projection_with_conv_and_gates(folded: bool) -> None:
+    def gluon_in_projection_with_conv_and_gates(folded: bool, token_shares: int = 1) -> None:
         # the 27B GDN in projection at eight sequences: the conv in its epilogue, the gates in
         # programs of its grid, x plain or a folded norm's rows
         from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
@@ -268,7 +268,11 @@ def cases():
         x = torch.randn(t, 5120, dtype=BF16)
         if folded:
             x = NormedRows(x, torch.rand(80, 8), 1e-6)
-        gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+        held, gluon_gemv.GATE_TOKEN_SHARES = gluon_gemv.GATE_TOKEN_SHARES, token_shares
+        try:
+            gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+        finally:
+            gluon_gemv.GATE_TOKEN_SHARES = held
         gluon_gemv.q4_linear_conv(x, weight, conv)
 
     def x_split_producers():
@@ -425,6 +429,8 @@ def cases():
             lambda: gluon_in_projection_with_conv_and_gates(False)),
         ("gdn in projection in gluon with the conv and gates, norm folded",
             lambda: gluon_in_projection_with_conv_and_gates(True)),
+        ("gdn in projection in gluon with the conv and gates, gates in two token shares",
+            lambda: gluon_in_projection_with_conv_and_gates(False, 2)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),
