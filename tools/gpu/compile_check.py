@@ -203,7 +203,9 @@ def cases():
         from ninfer.kernels import groupwise_gemv_gluon
 
         weight = get_format(q4).encode(torch.randn(n, k) * 0.05)
-        product = groupwise_gemv_gluon.q4_swiglu_linear if swiglu else groupwise_gemv_gluon.q4_linear
+        product = (
+            groupwise_gemv_gluon.q4_swiglu_linear if swiglu else groupwise_gemv_gluon.q4_linear
+        )
         held = groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES
         # two slots, as the H200's setting for the 27B gate|up: four programs an SM
         groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES = 5, 2
