@@ -634,9 +634,10 @@ sub.rn.bf16x2 $3, p3, bias;
         head it lies in, from the sums at head_squares_ptr ([M, heads, head_blocks]). With
         CONV, outputs below `conv`'s channel count are a GDN layer's q|k|v channels, x row m
         sequence m's one token, and the program writes their causal conv instead
-        (`_conv_out`). With GATES, the grid's programs after the product's (one a b|a row)
-        compute a GDN layer's gates from x instead (`_gates_program`), reading x through
-        plain pointers (x_ptr) while the product's programs stream the weight. With TAIL, the
+        (`_conv_out`). With GATES, the grid's programs after the product's (gate_shares a
+        b|a row, each taking GATE_TOKENS of the tokens) compute a GDN layer's gates from x
+        instead (`_gates_program`), reading x through plain pointers (x_ptr) while the
+        product's programs stream the weight. With TAIL, the
         row blocks from full_blocks on, which would run as a second wave, are split: program
         full_blocks + tail_splits * b + s takes tiles s * tail_per_split ... of block
         full_blocks + b, writes its fp32 partial, and the last to arrive at the block's
@@ -1336,14 +1337,14 @@ def _launch(
         )
     gate_args = (x, x.stride(0), out, 0, 0, out, out, out, out)
     gate_programs, gate_outputs = 0, None
-    gate_tokens, gate_shares = MAX_ROWS // GATE_TOKEN_SHARES, 1
+    gate_tokens, gate_shares = max(1, MAX_ROWS // GATE_TOKEN_SHARES), 1
     if gates is not None:
         heads = gates.ba.shape[0] // 2
         g = torch.empty(m, heads, dtype=torch.float32, device=x.device)
         beta = torch.empty(m, heads, dtype=x.dtype, device=x.device)
         gate_args = (x, x.stride(0), gates.ba, gates.ba.stride(0), heads)
         gate_args += (gates.A_log, gates.dt_bias, g, beta)
-        # a b|a row and GATE_TOKENS tokens each
+        # each program a b|a row for gate_tokens of the step's tokens
         gate_shares = triton.cdiv(m, gate_tokens)
         gate_programs, gate_outputs = 2 * heads * gate_shares, (g, beta)
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
