@@ -1241,13 +1241,18 @@ def _splits(n: int, k: int, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(num_tiles, per_split), per_split
 
 
+def shared_bytes(block_n: int, stages: int) -> int:
+    """The q4 product's shared memory a program at (block_n, stages): each ring slot's x tile,
+    code words and scales, and its mbarrier. The compiled kernel's (51,216 bytes at 64 rows and
+    two slots, 76,824 at three; the SwiGLU epilogue's tile reuses the ring's)."""
+    slot = GROUPS * 8 * GROUP * 2 + block_n * GROUPS * 8 * 4 + block_n * GROUPS * 2
+    return stages * (slot + 8)
+
+
 def resident_programs(block_n: int, stages: int, device: torch.device) -> int:
     """How many programs of the product at (block_n, stages) the device's SMs hold at once, by
-    their shared memory (`triton_support.programs_per_sm`): the ring's slots and mbarriers,
-    which the compiled kernel's shared memory is (51,216 bytes at 64 rows and two slots; the
-    SwiGLU epilogue's tile reuses the ring's)."""
-    slot = GROUPS * 8 * GROUP * 2 + block_n * GROUPS * 8 * 4 + block_n * GROUPS * 2
-    return programs_per_sm(stages * (slot + 8), 0, 4)[0] * num_sms(device)
+    their shared memory (`triton_support.programs_per_sm`)."""
+    return programs_per_sm(shared_bytes(block_n, stages), 0, 4)[0] * num_sms(device)
 
 
 def _tail(blocks: int, num_tiles: int, block_n: int, stages: int, device: torch.device):

@@ -197,9 +197,12 @@ def test_row_blocks_past_a_full_wave_split_where_they_are_a_short_second_wave(mo
     monkeypatch.setattr(gluon_q4, "num_sms", lambda device: 132)
     monkeypatch.setattr(groupwise_gemv_triton, "tile_counters", lambda device, needed: object())
     monkeypatch.setattr(gluon_q4, "TAIL_SPLITS", 5)
+    # the compiled kernel's shared memory (`tools/gpu/compile_check.py --sass`, sm_90)
+    assert gluon_q4.shared_bytes(64, 2) == 51216 and gluon_q4.shared_bytes(64, 3) == 76824
     assert gluon_q4.resident_programs(64, 2, cuda) == 528
-    assert gluon_q4.resident_programs(64, 3, cuda) == 264  # 76,824 bytes: two an SM
+    assert gluon_q4.resident_programs(64, 3, cuda) == 264  # two an SM
     assert gluon_q4._tail(544, 10, 64, 2, cuda) == (528, 16, 5, 2)
+    assert gluon_q4._tail(528, 10, 64, 2, cuda) == (528, 0, 1, 10)  # exactly one wave
     assert gluon_q4._tail(544, 8, 64, 2, cuda) == (528, 16, 4, 2)  # 2, 2, 2, 2 tiles
     assert gluon_q4._tail(544, 3, 64, 2, cuda) == (528, 16, 3, 1)
     assert gluon_q4._tail(256, 10, 64, 3, cuda) == (256, 0, 1, 10)  # one wave
