@@ -332,6 +332,43 @@ sub.rn.bf16x2 $3, p3, bias;
         gl.store(out_ptr + at, values, mask=mask)
 
     @gluon.jit
+    def _tile_product(
+        acc, rings, slot, tile, head_scales, BN: gl.constexpr, GROUPS: gl.constexpr,
+        Q6: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr, A_LAYOUT: gl.constexpr,
+        B_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
+        X_LAYOUT: gl.constexpr, H_LAYOUT: gl.constexpr, X_SHARED: gl.constexpr,
+        W_SHARED: gl.constexpr, S_SHARED: gl.constexpr,
+    ):  # fmt: skip
+        """acc plus ring slot `slot`'s tile (K tile `tile`) of the product: each group's codes
+        as the MMA's A operand, x's group as its B, the group's fp32 product times its scales
+        (and with HEAD_DIM, the x rows' head factors from head_scales)."""
+        x_ring, w_ring, s_ring, h_ring = rings
+        xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
+        ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
+        scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
+        scales = scales.load(S_LAYOUT).to(gl.float32)
+        if Q6:
+            hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
+        for g in gl.static_range(GROUPS):
+            words = ws.slice(g * BN, BN).load(W_LAYOUT)
+            if Q6:
+                high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
+            else:
+                high = words
+            a = _weight_operand(words, high, BN, A_LAYOUT, Q6)
+            b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
+            product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
+            scale = gl.convert_layout(
+                _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
+            )
+            if HEAD_DIM > 0:
+                head = (tile * GROUPS + g) * _GROUP // HEAD_DIM
+                factors = head_scales.index(head).load(gl.SliceLayout(0, MMA))
+                product = product * gl.expand_dims(factors, 0)
+            acc = acc + product * gl.expand_dims(scale, 1)
+        return acc
+
+    @gluon.jit
     def _tail_sum(
         acc, partial_ptr, counters_ptr, block, split, splits, BN: gl.constexpr, MMA: gl.constexpr
     ):
@@ -769,6 +806,7 @@ sub.rn.bf16x2 $3, p3, bias;
                 )
             else:
                 h_ring = w_ring
+                H_LAYOUT: gl.constexpr = W_LAYOUT  # unused
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
                 mbarrier.init(ready.index(i), count=1)
@@ -865,29 +903,11 @@ sub.rn.bf16x2 $3, p3, bias;
 
                 slot = j % STAGES
                 mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-                xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
-                ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
-                scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
-                scales = scales.load(S_LAYOUT).to(gl.float32)
-                if Q6:
-                    hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
-                for g in gl.static_range(GROUPS):
-                    words = ws.slice(g * BN, BN).load(W_LAYOUT)
-                    if Q6:
-                        high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
-                    else:
-                        high = words
-                    a = _weight_operand(words, high, BN, A_LAYOUT, Q6)
-                    b = _x_operand(xs.slice(g * 8, 8).load(X_LAYOUT), B_LAYOUT)
-                    product = mma_v2(a, b, gl.zeros([BN, 8], gl.float32, MMA))
-                    scale = gl.convert_layout(
-                        _column(scales, g), gl.SliceLayout(1, MMA), assert_trivial=True
-                    )
-                    if HEAD_DIM > 0:
-                        head = ((first + j) * GROUPS + g) * _GROUP // HEAD_DIM
-                        factors = head_scales.index(head).load(gl.SliceLayout(0, MMA))
-                        product = product * gl.expand_dims(factors, 0)
-                    acc = acc + product * gl.expand_dims(scale, 1)
+                acc = _tile_product(
+                    acc, rings, slot, first + j, head_scales, BN, GROUPS, Q6, HEAD_DIM, MMA,
+                    A_LAYOUT, B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, H_LAYOUT, X_SHARED,
+                    W_SHARED, S_SHARED,
+                )  # fmt: skip
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
 
