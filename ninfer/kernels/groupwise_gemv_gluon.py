@@ -116,6 +116,15 @@ TAIL_SPLITS = 5
 # the 27B layer's 96 rows run after the product's row blocks. Compiled for sm_90, not yet run
 # on the GPU machine: 1.
 GATE_TOKEN_SHARES = 1
+# The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
+# ring's copies and the program's four warps computing, so that the copies' barriers of the
+# whole program go (bench/decode_kernels.md, "What the Gluon product's loop waits on besides
+# memory"). For products without a folded norm after, conv, gates, head factors or q6 weight.
+# Registers: a program is then two warp groups, the producer's at PRODUCER_REGISTERS and the
+# kernel capped at WS_MAX_REGISTERS a thread (64: four programs an SM, 104 for the consumers).
+# Compiled for sm_90, not yet run on the GPU machine: off.
+WARP_SPECIALIZED = False
+PRODUCER_REGISTERS, WS_MAX_REGISTERS = 24, 64
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -367,6 +376,58 @@ sub.rn.bf16x2 $3, p3, bias;
                 product = product * gl.expand_dims(factors, 0)
             acc = acc + product * gl.expand_dims(scale, 1)
         return acc
+
+    @gluon.jit
+    def _produce_tiles(
+        descs, rings, ready, empty, first, count, n0, PDL: gl.constexpr,
+        WEIGHTS_FIRST: gl.constexpr, SWIGLU: gl.constexpr, STAGES: gl.constexpr,
+        NBYTES: gl.constexpr,
+    ):  # fmt: skip
+        """The producer warp of the warp-specialized product (`WARP_SPECIALIZED`): x's part of
+        the first STAGES tiles once the kernel before has finished (their codes and scales went
+        before the wait, from the program), then each next tile into the slot the consumers
+        release (its `empty` mbarrier), counted by the slot's `ready` one."""
+        _await_inputs(PDL)
+        for i in gl.static_range(STAGES):
+            _issue_tile(
+                descs, rings, ready, i, first + i, n0, i < count, not WEIGHTS_FIRST, True, SWIGLU,
+                False,
+            )  # fmt: skip
+        for j in range(STAGES, count):
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) + 1) & 1)  # tile j - STAGES read
+            mbarrier.expect(ready.index(slot), NBYTES)
+            _issue_tile(descs, rings, ready, slot, first + j, n0, True, True, True, SWIGLU, False)
+
+    @gluon.jit
+    def _consume_tiles(
+        rings, ready, empty, count, first, squares_ptr, square_blocks, inv_width, eps,
+        PDL: gl.constexpr, ROW_SCALE: gl.constexpr, SQUARE_BLOCKS: gl.constexpr,
+        STAGES: gl.constexpr, BN: gl.constexpr, GROUPS: gl.constexpr, MMA: gl.constexpr,
+        A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr,
+        S_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_SHARED: gl.constexpr,
+        W_SHARED: gl.constexpr, S_SHARED: gl.constexpr,
+    ):  # fmt: skip
+        """The program's four warps under `WARP_SPECIALIZED`: each tile as it arrives
+        (`_tile_product`), its slot released to the producer after; with ROW_SCALE each x
+        row's folded-norm factor applied at the end. Returns (acc, acc): a tuple, which the
+        Triton versions checked return alike."""
+        if ROW_SCALE:
+            _await_inputs(PDL)
+            squares = _load_squares(squares_ptr, square_blocks, SQUARE_BLOCKS)
+        acc = gl.zeros([BN, 8], gl.float32, MMA)
+        for j in range(count):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            acc = _tile_product(
+                acc, rings, slot, first + j, 0.0, BN, GROUPS, False, 0, MMA, A_LAYOUT,
+                B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, W_LAYOUT, X_SHARED, W_SHARED, S_SHARED,
+            )  # fmt: skip
+            mbarrier.arrive(empty.index(slot), count=1)
+        if ROW_SCALE:
+            scale = _row_scale(squares, inv_width, eps, MMA)
+            acc = acc * gl.expand_dims(scale, 0)
+        return acc, acc
 
     @gluon.jit
     def _tail_sum(
@@ -656,6 +717,8 @@ sub.rn.bf16x2 $3, p3, bias;
         TAIL: gl.constexpr = False,
         gate_shares=1,
         GATE_TOKENS: gl.constexpr = 8,
+        WS: gl.constexpr = False,
+        PRODUCER_REGS: gl.constexpr = 24,
     ):
         """out[M, N] = x[M, K] @ W[N, K]^T for a q4_g64 W (module docstring). With SPLIT_K,
         program (n, s) takes tiles s * tiles_per_split ...; the last to arrive at row block
@@ -818,100 +881,160 @@ sub.rn.bf16x2 $3, p3, bias;
                 + s_desc.block_type.nbytes
                 + (h_desc.block_type.nbytes if Q6 else 0)
             )
-            for i in gl.static_range(STAGES - 1):
-                mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-                if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
-                    _issue_tile(
-                        descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
-                    )
-            _await_inputs(PDL)
-            for i in gl.static_range(STAGES - 1):
-                _issue_tile(
-                    descs,
-                    rings,
-                    ready,
-                    i,
-                    first + i,
-                    n0,
-                    i < count,
-                    not WEIGHTS_FIRST,
-                    True,
-                    SWIGLU,
-                    Q6,
-                )
-            # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
-            # the epilogue, on the step's critical path, waits for no load of its own
-            if ROW_SCALE:
-                squares = _load_squares(squares_in_ptr, square_blocks, SQUARE_BLOCKS)
-            else:
-                squares = 0.0
-            if HEAD_DIM > 0:  # every head's factors, in shared memory for the loop to index
-                # written through a [HEADS, 8] view; a rank-1 layout, so that `index` gives one
-                # head's [8]
-                head_scales = gl.allocate_shared_memory(
-                    gl.float32, [HEADS, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-                )
-                table: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-                _view(head_scales, gl.float32, [HEADS, 8], table).store(
-                    _head_scales(
-                        head_squares_ptr,
-                        M,
-                        heads,
-                        head_blocks,
-                        head_eps,
-                        HEAD_DIM,
-                        HEADS,
-                        HEAD_BLOCKS,
-                    )
-                )
-                _barrier()
-            else:
-                head_scales = 0.0
-            if FOLD:
-                rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
-                residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
-                norm_weight = gl.load(norm_weight_ptr + rows, mask=rows < N, other=0.0)
-            else:
-                residual = 0.0
+            if WS:  # a producer warp keeps the ring full (`_produce_tiles`)
+                gl.static_assert(not (FOLD or CONV or Q6 or HEAD_DIM > 0))
+                residual = 0.0  # what the epilogue's forms read; none runs here
                 norm_weight = 0.0
-            if CONV:
-                conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
-            else:
                 conv_in = 0.0
-
-            acc = gl.zeros([BN, 8], gl.float32, MMA)
-            for j in range(count):
-                # refill the slot every warp finished reading a turn ago
-                ahead = j + STAGES - 1
-                slot_ahead = ahead % STAGES
-                _barrier()
-                fence_async_shared()
-                mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
-                _issue_tile(
-                    descs,
-                    rings,
-                    ready,
-                    slot_ahead,
-                    first + ahead,
-                    n0,
-                    ahead < count,
-                    True,
-                    True,
-                    SWIGLU,
-                    Q6,
-                )
-
-                slot = j % STAGES
-                mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-                acc = _tile_product(
-                    acc, rings, slot, first + j, head_scales, BN, GROUPS, Q6, HEAD_DIM, MMA,
-                    A_LAYOUT, B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, H_LAYOUT, X_SHARED,
-                    W_SHARED, S_SHARED,
+                squares = 0.0
+                empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+                for i in gl.static_range(STAGES):
+                    mbarrier.init(empty.index(i), count=1)
+                    mbarrier.expect(ready.index(i), nbytes, pred=i < count)
+                    if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
+                        _issue_tile(
+                            descs,
+                            rings,
+                            ready,
+                            i,
+                            first + i,
+                            n0,
+                            i < count,
+                            True,
+                            False,
+                            SWIGLU,
+                            Q6,
+                        )
+                acc, _ = gl.warp_specialize(
+                    [
+                        (
+                            _consume_tiles,
+                            (
+                                rings, ready, empty, count, first, squares_in_ptr, square_blocks,
+                                inv_width, eps, PDL, ROW_SCALE, SQUARE_BLOCKS, STAGES, BN, GROUPS,
+                                MMA, A_LAYOUT, B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, X_SHARED,
+                                W_SHARED, S_SHARED,
+                            ),
+                        ),
+                        (
+                            _produce_tiles,
+                            (
+                                descs, rings, ready, empty, first, count, n0, PDL, WEIGHTS_FIRST,
+                                SWIGLU, STAGES, nbytes,
+                            ),
+                        ),
+                    ],
+                    [1],
+                    [PRODUCER_REGS],
                 )  # fmt: skip
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(i))
+                for i in gl.static_range(STAGES):
+                    mbarrier.invalidate(ready.index(i))
+                    mbarrier.invalidate(empty.index(i))
+            else:
+                for i in gl.static_range(STAGES - 1):
+                    mbarrier.expect(ready.index(i), nbytes, pred=i < count)
+                    if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
+                        _issue_tile(
+                            descs,
+                            rings,
+                            ready,
+                            i,
+                            first + i,
+                            n0,
+                            i < count,
+                            True,
+                            False,
+                            SWIGLU,
+                            Q6,
+                        )
+                _await_inputs(PDL)
+                for i in gl.static_range(STAGES - 1):
+                    _issue_tile(
+                        descs,
+                        rings,
+                        ready,
+                        i,
+                        first + i,
+                        n0,
+                        i < count,
+                        not WEIGHTS_FIRST,
+                        True,
+                        SWIGLU,
+                        Q6,
+                    )
+                # what a folded norm's epilogue reads, asked for now: it arrives during the loop, and
+                # the epilogue, on the step's critical path, waits for no load of its own
+                if ROW_SCALE:
+                    squares = _load_squares(squares_in_ptr, square_blocks, SQUARE_BLOCKS)
+                else:
+                    squares = 0.0
+                if HEAD_DIM > 0:  # every head's factors, in shared memory for the loop to index
+                    # written through a [HEADS, 8] view; a rank-1 layout, so that `index` gives one
+                    # head's [8]
+                    head_scales = gl.allocate_shared_memory(
+                        gl.float32, [HEADS, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+                    )
+                    table: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+                    _view(head_scales, gl.float32, [HEADS, 8], table).store(
+                        _head_scales(
+                            head_squares_ptr,
+                            M,
+                            heads,
+                            head_blocks,
+                            head_eps,
+                            HEAD_DIM,
+                            HEADS,
+                            HEAD_BLOCKS,
+                        )
+                    )
+                    _barrier()
+                else:
+                    head_scales = 0.0
+                if FOLD:
+                    rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+                    residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
+                    norm_weight = gl.load(norm_weight_ptr + rows, mask=rows < N, other=0.0)
+                else:
+                    residual = 0.0
+                    norm_weight = 0.0
+                if CONV:
+                    conv_in = _conv_inputs(conv, n0, M, N, BN, MMA)
+                else:
+                    conv_in = 0.0
 
-            if ROW_SCALE:
+                acc = gl.zeros([BN, 8], gl.float32, MMA)
+                for j in range(count):
+                    # refill the slot every warp finished reading a turn ago
+                    ahead = j + STAGES - 1
+                    slot_ahead = ahead % STAGES
+                    _barrier()
+                    fence_async_shared()
+                    mbarrier.expect(ready.index(slot_ahead), nbytes, pred=ahead < count)
+                    _issue_tile(
+                        descs,
+                        rings,
+                        ready,
+                        slot_ahead,
+                        first + ahead,
+                        n0,
+                        ahead < count,
+                        True,
+                        True,
+                        SWIGLU,
+                        Q6,
+                    )
+
+                    slot = j % STAGES
+                    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+                    acc = _tile_product(
+                        acc, rings, slot, first + j, head_scales, BN, GROUPS, Q6, HEAD_DIM, MMA,
+                        A_LAYOUT, B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, H_LAYOUT, X_SHARED,
+                        W_SHARED, S_SHARED,
+                    )  # fmt: skip
+                for i in gl.static_range(STAGES):
+                    mbarrier.invalidate(ready.index(i))
+
+            if ROW_SCALE and not WS:  # (the consumer warps apply it under WS)
                 scale = _row_scale(squares, inv_width, eps, MMA)
                 acc = acc * gl.expand_dims(scale, 0)
             if TAIL:
@@ -1372,6 +1495,7 @@ def _launch(
         # each program a b|a row for gate_tokens of the step's tokens
         gate_shares = triton.cdiv(m, gate_tokens)
         gate_programs, gate_outputs = 2 * heads * gate_shares, (g, beta)
+    ws = WARP_SPECIALIZED and not (q6 or after or conv or gates or head_normed is not None)
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
     _q4_tc_kernel[(full + tail_blocks * tail_splits + gate_programs, splits)](
         x_desc,
@@ -1421,8 +1545,11 @@ def _launch(
         TAIL=tail_blocks > 0,
         gate_shares=gate_shares,
         GATE_TOKENS=gate_tokens,
+        WS=ws,
+        PRODUCER_REGS=PRODUCER_REGISTERS,
         num_warps=4,
         **pdl_options(x.device),
+        **({"maxnreg": WS_MAX_REGISTERS} if ws else {}),
     )
     if splits > 1 and counters is None:
         return partial.sum(dim=0).to(x.dtype)

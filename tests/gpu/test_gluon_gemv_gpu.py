@@ -260,6 +260,46 @@ def test_gluon_tail_blocks_split_where_few_programs_fit(monkeypatch, pdl, swiglu
     assert torch.equal(out[:, :edge], whole[:, :edge])
 
 
+def _product_case(form: str):
+    """(product, x, weight) of a `test_gluon_warp_specialized_product_gives_the_same_bits`
+    form."""
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.kernels.norm_fold import NormedRows
+
+    shapes = {"plain": (34816, 5120, 8), "split": (5120, 17408, 5), "swiglu": (3000, 2048, 7)}
+    n, k, m = shapes.get(form, (34816, 5120, 8))
+    weight = get_format(Q4).encode(torch.randn(n, k, device="cuda") * 0.05)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    if form == "normed":
+        x = NormedRows(x, torch.rand(k // 64, 8, device="cuda") * 2, 1e-6)
+    if form in ("plain", "split"):
+        return groupwise_gemv_gluon.q4_linear, x, weight
+    return groupwise_gemv_gluon.q4_swiglu_linear, x, weight
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["weights first", "after the wait"])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("form", ["plain", "split", "swiglu", "tail", "normed"])
+def test_gluon_warp_specialized_product_gives_the_same_bits(monkeypatch, form, pdl, first):
+    """`WARP_SPECIALIZED`: a producer warp keeping the ring full and four consumer warps give
+    the one-partition kernel's bits: a plain product, one split over K, the SwiGLU form, the
+    SwiGLU with its tail blocks split (two slots), and x a folded norm's rows; PDL on and off,
+    the codes asked for before the wait or after it."""
+    from ninfer.kernels import groupwise_gemv_gluon
+
+    monkeypatch.setenv("NINFER_PDL", pdl)
+    monkeypatch.setattr(groupwise_gemv_gluon, "WEIGHTS_BEFORE_WAIT", first)
+    if form == "tail":
+        _tailed(monkeypatch, 5)
+    torch.manual_seed(11)
+    product, x, weight = _product_case(form)
+    outs = []
+    for specialized in (False, True, True):  # twice: the counters and barriers left reset
+        monkeypatch.setattr(groupwise_gemv_gluon, "WARP_SPECIALIZED", specialized)
+        outs.append(product(x, weight))
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 12])
 def test_mlp_runs_its_swiglu_in_the_product_at_two_to_eight_rows(monkeypatch, rows):
     """An MLP with q4 weights: at two to eight rows one launch does gate|up and the SwiGLU,

@@ -214,6 +214,33 @@ def cases():
         finally:
             groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES = held
 
+    def gluon_q4_warp_specialized() -> None:
+        # the producer warp and four consumers (`WARP_SPECIALIZED`): plain, split over K, the
+        # SwiGLU with its tail split at two slots, and x a folded norm's rows
+        from ninfer.kernels import groupwise_gemv_gluon
+        from ninfer.kernels.norm_fold import NormedRows
+
+        held = (
+            groupwise_gemv_gluon.WARP_SPECIALIZED,
+            groupwise_gemv_gluon.TAIL_SPLITS,
+            groupwise_gemv_gluon.STAGES,
+        )
+        groupwise_gemv_gluon.WARP_SPECIALIZED = True
+        try:
+            gate_up = get_format(q4).encode(torch.randn(34816, 5120) * 0.05)
+            x = torch.randn(8, 5120, dtype=BF16)
+            groupwise_gemv_gluon.q4_linear(x, gate_up)
+            down = get_format(q4).encode(torch.randn(5120, 17408) * 0.05)
+            groupwise_gemv_gluon.q4_linear(torch.randn(3, 17408, dtype=BF16), down)
+            groupwise_gemv_gluon.TAIL_SPLITS, groupwise_gemv_gluon.STAGES = 5, 2
+            groupwise_gemv_gluon.q4_swiglu_linear(NormedRows(x, torch.rand(80, 8), 1e-6), gate_up)
+        finally:
+            (
+                groupwise_gemv_gluon.WARP_SPECIALIZED,
+                groupwise_gemv_gluon.TAIL_SPLITS,
+                groupwise_gemv_gluon.STAGES,
+            ) = held
+
     def gluon_q4_folded(m: int, n: int, k: int) -> None:
         # the producer's epilogue with the next norm, then a consumer taking its rows
         from ninfer.kernels import groupwise_gemv_gluon
@@ -422,6 +449,7 @@ def cases():
         ("tensor-core gemv q4 in gluon, swiglu, tail split",
             lambda: gluon_q4_tail(8, 34816, 5120, True)),
         ("tensor-core gemv q4 in gluon, tail split", lambda: gluon_q4_tail(8, 34816, 5120, False)),
+        ("tensor-core gemv q4 in gluon, warp-specialized", gluon_q4_warp_specialized),
         ("tensor-core gemv q6 in gluon", lambda: gluon_q6(8, 248320, 5120)),
         ("tensor-core gemv q4 in gluon, norm folded", lambda: gluon_q4_folded(8, 5120, 6144)),
         ("tensor-core gemv q4 in gluon, norm folded, split-K",
