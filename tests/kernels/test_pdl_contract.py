@@ -164,11 +164,14 @@ def _calls(statements) -> list[str]:
 
 def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
     """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way. Its product's
-    programs (the `else` of its one branch on GATES) ask TMA before their top-level
-    `_await_inputs(PDL)` only for codes and scales (an `_issue_tile` whose x flag, its
-    parameter `X`, is False), which no kernel writes; x's tiles, the loop and every store come
-    after the wait. The gates programs (`_gates_program`) load only their b|a weight row
-    (`ba_ptr`, which no kernel writes) before theirs. Its launch passes `pdl_options`."""
+    programs (the `else` of its one branch on GATES) ask TMA before the PDL wait only for
+    codes and scales (an `_issue_tile` whose x flag, its parameter `X`, is False), which no
+    kernel writes; x's tiles, the loop and every store come after the wait. In one partition
+    (the `else` of `if WS`) the wait is a top-level `_await_inputs(PDL)`. Warp-specialized,
+    the program asks for the codes and scales and starts the partitions: the producer
+    (`_produce_tiles`) waits first, and the consumers (`_consume_tiles`) read memory of their
+    own only after a wait. The gates programs (`_gates_program`) load only their b|a weight
+    row (`ba_ptr`, which no kernel writes) before theirs. Its launch passes `pdl_options`."""
     source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
     tree = ast.parse(source)
     functions = _functions(tree)
@@ -177,12 +180,23 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
     (branch,) = [s for s in kernel.body if isinstance(s, ast.If)]
     assert ast.unparse(branch.test).startswith("GATES and ")
     assert "_gates_program" in _calls(branch.body)
+    (forms,) = [s for s in branch.orelse if isinstance(s, ast.If) and ast.unparse(s.test) == "WS"]
+    common = branch.orelse[: branch.orelse.index(forms)]
+    specialize = [i for i, s in enumerate(forms.body) if "gl.warp_specialize" in _calls([s])]
+    assert len(specialize) == 1 and "_await_inputs" not in _calls(forms.body)
+    bodies = (
+        ("product", common + forms.orelse, None),
+        ("warp-specialized product", common + forms.body, specialize[0] + len(common)),
+        ("_produce_tiles", functions["_produce_tiles"].body, None),
+        ("_gates_program", functions["_gates_program"].body, None),
+    )
     x_flag = [a.arg for a in functions["_issue_tile"].args.args].index("X")
-    for name, body in (("product", branch.orelse), ("_gates_program", None)):
-        body = body if body is not None else functions[name].body
-        waits = [i for i, s in enumerate(body) if ast.unparse(s) == "_await_inputs(PDL)"]
-        assert len(waits) == 1, f"one top-level wait in the {name} programs"
-        before = body[: waits[0]]
+    for name, body, wait in bodies:
+        if wait is None:
+            waits = [i for i, s in enumerate(body) if ast.unparse(s) == "_await_inputs(PDL)"]
+            assert len(waits) == 1, f"one top-level wait in the {name} programs"
+            wait = waits[0]
+        before = body[:wait]
         called = _calls(before)
         assert not [c for c in called if c.startswith(("gl.atomic", "gl.store"))], name
         loads = [
@@ -200,10 +214,16 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
             for node in ast.walk(statement)
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_issue_tile"
         ]
-        if name == "product":
+        if name.endswith("product"):
             assert issues, "the weights are asked for before the wait"
         for call in issues:
             assert ast.unparse(call.args[x_flag]) == "False", ast.unparse(call)
+    # the consumers' one read of memory a kernel writes follows their own wait
+    scaled = next(s for s in functions["_consume_tiles"].body if isinstance(s, ast.If))
+    assert ast.unparse(scaled.body[0]) == "_await_inputs(PDL)"
+    consumer = _calls(functions["_consume_tiles"].body) + _calls(functions["_tile_product"].body)
+    assert not [c for c in consumer if c in ("gl.load", "gl.store") or c.startswith("gl.atomic")]
+    assert _calls(scaled.body).count("_load_squares") == 1
     outside = [s for s in kernel.body if s is not branch]
     assert not [c for c in _calls(outside) if c.startswith(("gl.load", "gl.store", "gl.atomic"))]
     assert "**pdl_options(x.device)" in source
