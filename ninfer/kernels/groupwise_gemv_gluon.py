@@ -378,6 +378,21 @@ sub.rn.bf16x2 $3, p3, bias;
         return acc
 
     @gluon.jit
+    def _ask_for_weights(
+        descs, rings, ready, first, count, n0, NBYTES: gl.constexpr, TILES: gl.constexpr,
+        WEIGHTS_FIRST: gl.constexpr, SWIGLU: gl.constexpr, Q6: gl.constexpr,
+    ):  # fmt: skip
+        """Before the PDL wait: each of the first TILES ring slots expects its tile's bytes,
+        and with WEIGHTS_FIRST the tile's codes and scales (no kernel writes them) are asked
+        for; x's part follows after the wait."""
+        for i in gl.static_range(TILES):
+            mbarrier.expect(ready.index(i), NBYTES, pred=i < count)
+            if WEIGHTS_FIRST:
+                _issue_tile(
+                    descs, rings, ready, i, first + i, n0, i < count, True, False, SWIGLU, Q6
+                )
+
+    @gluon.jit
     def _produce_tiles(
         descs, rings, ready, empty, first, count, n0, PDL: gl.constexpr,
         WEIGHTS_FIRST: gl.constexpr, SWIGLU: gl.constexpr, STAGES: gl.constexpr,
@@ -890,21 +905,9 @@ sub.rn.bf16x2 $3, p3, bias;
                 empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
                 for i in gl.static_range(STAGES):
                     mbarrier.init(empty.index(i), count=1)
-                    mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-                    if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
-                        _issue_tile(
-                            descs,
-                            rings,
-                            ready,
-                            i,
-                            first + i,
-                            n0,
-                            i < count,
-                            True,
-                            False,
-                            SWIGLU,
-                            Q6,
-                        )
+                _ask_for_weights(
+                    descs, rings, ready, first, count, n0, nbytes, STAGES, WEIGHTS_FIRST, SWIGLU, Q6
+                )
                 acc, _ = gl.warp_specialize(
                     [
                         (
@@ -931,22 +934,19 @@ sub.rn.bf16x2 $3, p3, bias;
                     mbarrier.invalidate(ready.index(i))
                     mbarrier.invalidate(empty.index(i))
             else:
-                for i in gl.static_range(STAGES - 1):
-                    mbarrier.expect(ready.index(i), nbytes, pred=i < count)
-                    if WEIGHTS_FIRST:  # codes and scales: no kernel writes them
-                        _issue_tile(
-                            descs,
-                            rings,
-                            ready,
-                            i,
-                            first + i,
-                            n0,
-                            i < count,
-                            True,
-                            False,
-                            SWIGLU,
-                            Q6,
-                        )
+                _ask_for_weights(
+                    descs,
+                    rings,
+                    ready,
+                    first,
+                    count,
+                    n0,
+                    nbytes,
+                    STAGES - 1,
+                    WEIGHTS_FIRST,
+                    SWIGLU,
+                    Q6,
+                )
                 _await_inputs(PDL)
                 for i in gl.static_range(STAGES - 1):
                     _issue_tile(

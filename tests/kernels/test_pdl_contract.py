@@ -165,8 +165,8 @@ def _calls(statements) -> list[str]:
 def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
     """`groupwise_gemv_gluon._q4_tc_kernel` keeps the contract its own way. Its product's
     programs (the `else` of its one branch on GATES) ask TMA before the PDL wait only for
-    codes and scales (an `_issue_tile` whose x flag, its parameter `X`, is False), which no
-    kernel writes; x's tiles, the loop and every store come after the wait. In one partition
+    codes and scales (an `_issue_tile` whose x flag, its parameter `X`, is False, there or in
+    `_ask_for_weights`), which no kernel writes; x's tiles, the loop and every store come after the wait. In one partition
     (the `else` of `if WS`) the wait is a top-level `_await_inputs(PDL)`. Warp-specialized,
     the program asks for the codes and scales and starts the partitions: the producer
     (`_produce_tiles`) waits first, and the consumers (`_consume_tiles`) read memory of their
@@ -208,9 +208,12 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
         allowed = "ba_ptr" if name == "_gates_program" else None
         assert all(allowed and load.startswith(allowed) for load in loads), (name, loads)
         assert "range(count)" not in "".join(map(ast.unparse, before)), "the loop after the wait"
+        asked = before + (
+            functions["_ask_for_weights"].body if "_ask_for_weights" in called else []
+        )
         issues = [
             node
-            for statement in before
+            for statement in asked
             for node in ast.walk(statement)
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_issue_tile"
         ]
