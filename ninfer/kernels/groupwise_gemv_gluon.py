@@ -113,17 +113,20 @@ TAIL_SPLITS = 5
 # Programs a GDN in projection's gates row is split among by tokens (1, 2, 4 or 8), each taking
 # 8 / GATE_TOKEN_SHARES of the step's tokens (`_gates_program`): a gates program's time is its
 # chain of x loads token by token (docs/performance.md, Measurement 29), and at eight sequences
-# the 27B layer's 96 rows run after the product's row blocks. Compiled for sm_90, not yet run
-# on the GPU machine: 1.
-GATE_TOKEN_SHARES = 1
+# the 27B layer's 96 rows run after the product's row blocks. On the H200, two took the 27B q4
+# C=8 step 0.01-0.05 ms below one in three alternating pairs (docs/performance.md,
+# Measurement 39).
+GATE_TOKEN_SHARES = 2
 # The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
 # ring's copies and the program's four warps computing, so that the copies' barriers of the
 # whole program go (bench/decode_kernels.md, "What the Gluon product's loop waits on besides
 # memory"). For products without a folded norm after, conv, gates, head factors or q6 weight.
 # Registers: a program is then two warp groups, the producer's at PRODUCER_REGISTERS and the
 # kernel capped at WS_MAX_REGISTERS a thread (64: four programs an SM, 104 for the consumers).
-# Compiled for sm_90, not yet run on the GPU machine: off.
-WARP_SPECIALIZED = False
+# On the H200 the 27B gate|up at eight rows took 34.66 -> 34.24 us alone (Nsight Compute) and
+# the 27B q4 C=8 step 0.04-0.07 ms less in four alternating pairs (docs/performance.md,
+# Measurement 39).
+WARP_SPECIALIZED = True
 PRODUCER_REGISTERS, WS_MAX_REGISTERS = 24, 64
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
