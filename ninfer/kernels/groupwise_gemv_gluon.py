@@ -113,10 +113,11 @@ TAIL_SPLITS = 5
 # Programs a GDN in projection's gates row is split among by tokens (1, 2, 4 or 8), each taking
 # 8 / GATE_TOKEN_SHARES of the step's tokens (`_gates_program`): a gates program's time is its
 # chain of x loads token by token (docs/performance.md, Measurement 29), and at eight sequences
-# the 27B layer's 96 rows run after the product's row blocks. On the H200, two took the 27B q4
-# C=8 step 0.01-0.05 ms below one in three alternating pairs (docs/performance.md,
-# Measurement 39).
-GATE_TOKEN_SHARES = 2
+# the 27B layer's 96 rows run after the product's row blocks. On the H200 two gave the same bits
+# as one and took the 27B q4 C=8 step 0.01-0.05 ms below it in three alternating pairs, within
+# twice the spread of repeated runs; off until the graphs tests have run with it
+# (docs/performance.md, Measurement 39): 1.
+GATE_TOKEN_SHARES = 1
 # The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
 # ring's copies and the program's four warps computing, so that the copies' barriers of the
 # whole program go (bench/decode_kernels.md, "What the Gluon product's loop waits on besides
