@@ -125,7 +125,7 @@ GATE_TOKEN_SHARES = 1
 # Registers: a program is then two warp groups, the producer's at PRODUCER_REGISTERS and the
 # kernel capped at WS_MAX_REGISTERS a thread (64: four programs an SM, 104 for the consumers).
 # On the H200 the 27B gate|up at eight rows took 34.66 -> 34.24 us alone (Nsight Compute) and
-# the 27B q4 C=8 step 0.04-0.07 ms less in four alternating pairs (docs/performance.md,
+# the 27B q4 C=8 step 0.02-0.09 ms less in six alternating pairs (docs/performance.md,
 # Measurement 39).
 WARP_SPECIALIZED = True
 PRODUCER_REGISTERS, WS_MAX_REGISTERS = 24, 64
