@@ -118,6 +118,12 @@ TAIL_SPLITS = 5
 # twice the spread of repeated runs; off until the graphs tests have run with it
 # (docs/performance.md, Measurement 39): 1.
 GATE_TOKEN_SHARES = 1
+# A tile's codes asked for as two boxes of [rows, 32 words] (128 contiguous bytes a row, read
+# back through a 128-byte swizzle as x's tile is), not one [GROUPS, rows, 8 words] box (32 bytes
+# a row). A TMA copy moves its box row by row, and the narrow box makes 512 of a tile's 640 rows
+# of copies for 25 KB (bench/decode_kernels.md, "The Gluon product's copies by the row"). q4
+# only. Compiled for sm_90, not yet run on the GPU machine: off.
+WIDE_CODES = False
 # The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
 # ring's copies and the program's four warps computing, so that the copies' barriers of the
 # whole program go (bench/decode_kernels.md, "What the Gluon product's loop waits on besides
@@ -305,12 +311,29 @@ sub.rn.bf16x2 $3, p3, bias;
     ):
         """Ask TMA for tile `tile`'s codes and scales (WEIGHTS; with Q6 the high bits too) and
         x's tile (X) into ring slot `slot`, counted by its mbarrier. With HALVES the weight is
-        [gate; up] seen as two halves (`_descriptors`) and n0 a row of each."""
-        x_desc, w_desc, s_desc, h_desc = descs
+        [gate; up] seen as two halves (`_descriptors`) and n0 a row of each, up's rows from
+        up_rows on. Codes in wide boxes (`WIDE_CODES`: a rank-2 box of [rows, 32 words]) go
+        as each K half's boxes, with HALVES gate's rows then up's."""
+        x_desc, w_desc, s_desc, h_desc, up_rows = descs
         x_ring, w_ring, s_ring, h_ring = rings
-        groups: gl.constexpr = w_desc.block_type.shape[0]
+        groups: gl.constexpr = s_desc.block_type.shape[-1]
         bar = ready.index(slot)
-        if WEIGHTS:
+        if WEIGHTS and len(w_desc.block_type.shape) == 2:
+            rows: gl.constexpr = w_desc.block_type.shape[0]
+            words = w_ring.index(slot)
+            for b in gl.static_range(2):
+                column = tile * (groups * 8) + b * (groups * 4)
+                if HALVES:
+                    _tma_load(w_desc, [n0, column], bar, words.slice(2 * b * rows, rows), pred=pred)
+                    up = words.slice((2 * b + 1) * rows, rows)
+                    _tma_load(w_desc, [up_rows + n0, column], bar, up, pred=pred)
+                else:
+                    _tma_load(w_desc, [n0, column], bar, words.slice(b * rows, rows), pred=pred)
+            if HALVES:
+                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+            else:
+                _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+        elif WEIGHTS:
             if HALVES:
                 _tma_load(w_desc, [tile * groups, 0, n0, 0], bar, w_ring.index(slot), pred=pred)
                 _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
@@ -357,13 +380,21 @@ sub.rn.bf16x2 $3, p3, bias;
         (and with HEAD_DIM, the x rows' head factors from head_scales)."""
         x_ring, w_ring, s_ring, h_ring = rings
         xs = _view(x_ring.index(slot), gl.bfloat16, [GROUPS * 8, _GROUP], X_SHARED)
-        ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
+        WIDE: gl.constexpr = len(w_ring.shape) == 3  # [STAGES, 2 * BN, 32] (`WIDE_CODES`)
+        if WIDE:  # a K half's rows over the other's, each row four groups of 8 words
+            ws = w_ring.index(slot)
+        else:
+            ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
         scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
         scales = scales.load(S_LAYOUT).to(gl.float32)
         if Q6:
             hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
         for g in gl.static_range(GROUPS):
-            words = ws.slice(g * BN, BN).load(W_LAYOUT)
+            if WIDE:
+                half = ws.slice((g // (GROUPS // 2)) * BN, BN)
+                words = half.slice((g % (GROUPS // 2)) * 8, 8, dim=1).load(W_LAYOUT)
+            else:
+                words = ws.slice(g * BN, BN).load(W_LAYOUT)
             if Q6:
                 high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
             else:
@@ -864,17 +895,23 @@ sub.rn.bf16x2 $3, p3, bias;
             x_ring = gl.allocate_shared_memory(
                 gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout
             )
-            if (
+            WIDE: gl.constexpr = len(w_desc.block_type.shape) == 2  # `WIDE_CODES`
+            gl.static_assert(not (WIDE and Q6))
+            if WIDE:  # a slot: each K half's boxes (gate's rows, then up's with SWIGLU)
+                w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * BN, 32], w_desc.layout)
+            elif (
                 SWIGLU
             ):  # a slot holds gate's rows of each group, then up's: [GROUPS, BN, 8] in memory
                 w_ring = gl.allocate_shared_memory(
                     gl.int32, [STAGES, GROUPS, 2, BN // 2, 8], w_desc.layout
                 )
+            else:
+                w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
+            if SWIGLU:
                 s_ring = gl.allocate_shared_memory(
                     gl.float16, [STAGES, 2, BN // 2, GROUPS], s_desc.layout
                 )
             else:
-                w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
                 s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
             if Q6:  # a group's four words of high bits per row
                 h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
@@ -892,11 +929,11 @@ sub.rn.bf16x2 $3, p3, bias;
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
                 mbarrier.init(ready.index(i), count=1)
-            descs = (x_desc, w_desc, s_desc, h_desc)
+            descs = (x_desc, w_desc, s_desc, h_desc, N)  # N: with SWIGLU, up's first row
             rings = (x_ring, w_ring, s_ring, h_ring)
             nbytes: gl.constexpr = (
                 x_desc.block_type.nbytes
-                + w_desc.block_type.nbytes
+                + w_desc.block_type.nbytes * ((4 if SWIGLU else 2) if WIDE else 1)
                 + s_desc.block_type.nbytes
                 + (h_desc.block_type.nbytes if Q6 else 0)
             )
@@ -1218,17 +1255,28 @@ def weight_views(
 
 
 def _descriptors(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_n: int, halves: bool
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_n: int,
+    halves: bool,
+    wide: bool = False,
 ):
     """TMA descriptors: x as [K/64, M, 64] (a tile: GROUPS groups of 8 rows, 128-byte swizzle),
     and the weight as `weight_views`: a box of block_n rows of GROUPS groups, with `halves`
     block_n/2 rows of each half, so a ring slot holds a group's gate rows then its up rows.
-    Rows past M or N (N/2) read as zeros."""
+    Rows past M or N (N/2) read as zeros. With `wide` (`WIDE_CODES`) the codes are their
+    words [N, K/8] and a box [block_n rows (block_n/2 with `halves`), 32 words], 128-byte
+    swizzle: half a tile's columns. A gate box past N/2 then reads up's first rows, into
+    outputs the kernel does not store."""
     m, k = x.shape
     x3 = x.as_strided((k // GROUP, m, GROUP), (GROUP, x.stride(0), 1))
     w, s = weight_views(codes, scales, halves)
     rows = [2, block_n // 2] if halves else [block_n]
     w_box, s_box = [GROUPS, *rows, 8], [*rows, GROUPS]
+    w_swizzle = 0
+    if wide:
+        w, w_box, w_swizzle = codes.view(torch.int32), [rows[-1], GROUPS * 4], 128
     return (
         TensorDescriptor(
             x3,
@@ -1242,7 +1290,9 @@ def _descriptors(
             list(w.shape),
             list(w.stride()),
             w_box,
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(w_box)),
+            gl.NVMMASharedLayout(
+                swizzle_byte_width=w_swizzle, element_bitwidth=32, rank=len(w_box)
+            ),
         ),
         TensorDescriptor(
             s,
@@ -1500,7 +1550,7 @@ def _launch(
         gate_shares = triton.cdiv(m, gate_tokens)
         gate_programs, gate_outputs = 2 * heads * gate_shares, (g, beta)
     ws = WARP_SPECIALIZED and not (q6 or after or conv or gates or head_normed is not None)
-    x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu)
+    x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu, WIDE_CODES and not q6)
     _q4_tc_kernel[(full + tail_blocks * tail_splits + gate_programs, splits)](
         x_desc,
         w_desc,

@@ -119,6 +119,27 @@ def test_gates_split_by_tokens_give_the_same_bits(monkeypatch, m, folded, shares
         assert torch.equal(one, split)
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["plain", "folded"])
+@pytest.mark.parametrize("m", [2, 8])
+def test_codes_in_wide_boxes_give_the_same_bits(monkeypatch, m, folded):
+    """`WIDE_CODES`: the in projection with its conv and gates, its codes asked for as wide
+    boxes, gives the narrow boxes' outputs, g, beta and conv windows bit for bit (27B shape)."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
+
+    torch.manual_seed(m + 20)
+    weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer("27b", m)
+    x, _ = _input(m, ba.shape[1], folded)
+    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
+    runs = []
+    for wide in (False, True):
+        monkeypatch.setattr(gluon_gemv, "WIDE_CODES", wide)
+        conv = gluon_gemv.GdnConv(taps, windows.clone(), state_slots)
+        out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+        runs.append((out, g, beta, conv.windows))
+    for narrow, wide in zip(*runs, strict=True):
+        assert torch.equal(narrow, wide)
+
+
 def test_in_projection_with_conv_takes_only_what_fits():
     """One or nine rows, a product whose K is split, a q8 weight, slots not one per row, taps
     not of width 4, a b|a weight of another width: refused (the model then runs them apart)."""

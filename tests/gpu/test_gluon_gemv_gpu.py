@@ -300,6 +300,40 @@ def test_gluon_warp_specialized_product_gives_the_same_bits(monkeypatch, form, p
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
+@pytest.mark.parametrize("specialized", [True, False], ids=["specialized", "one partition"])
+@pytest.mark.parametrize("form", ["plain", "split", "swiglu", "tail", "normed", "folded"])
+def test_gluon_codes_in_wide_boxes_give_the_same_bits(monkeypatch, form, specialized):
+    """`WIDE_CODES`: a tile's codes asked for as two [rows, 32-word] boxes and read back
+    through their swizzle give the narrow boxes' bits, in every form of the product (the
+    warp-specialized forms and the one-partition loop), a SwiGLU whose last gate box runs
+    past gate's 1500 rows and a split product with the next norm folded in among them."""
+    from ninfer.kernels import groupwise_gemv_gluon
+    from ninfer.kernels.norm_fold import NormAfter
+
+    monkeypatch.setattr(groupwise_gemv_gluon, "WARP_SPECIALIZED", specialized)
+    if form == "tail":
+        _tailed(monkeypatch, 5)
+    torch.manual_seed(13)
+    if form == "folded":
+        weight = get_format(Q4).encode(torch.randn(5120, 17408, device="cuda") * 0.05)
+        x = torch.randn(8, 17408, device="cuda").to(torch.bfloat16)
+        residual = torch.randn(8, 5120, device="cuda").to(torch.bfloat16)
+        norm = torch.randn(5120, device="cuda").to(torch.bfloat16)
+
+        def product(x, weight):
+            rows, total = groupwise_gemv_gluon.q4_linear(x, weight, NormAfter(residual, norm, 1e-6))
+            return torch.cat([rows.weighted.float(), total.float()]), rows.squares
+    else:
+        product, x, weight = _product_case(form)
+    outs = []
+    for wide in (False, True, True):  # twice: the counters and barriers left reset
+        monkeypatch.setattr(groupwise_gemv_gluon, "WIDE_CODES", wide)
+        out = product(x, weight)
+        outs.append(out if isinstance(out, tuple) else (out,))
+    for narrow, *wide in zip(*outs, strict=True):
+        assert all(torch.equal(narrow, each) for each in wide)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 12])
 def test_mlp_runs_its_swiglu_in_the_product_at_two_to_eight_rows(monkeypatch, rows):
     """An MLP with q4 weights: at two to eight rows one launch does gate|up and the SwiGLU,

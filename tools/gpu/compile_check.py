@@ -241,6 +241,25 @@ def cases():
                 groupwise_gemv_gluon.STAGES,
             ) = held
 
+    def gluon_q4_wide_codes() -> None:
+        # the codes in two wide boxes a tile (`WIDE_CODES`): a plain product, one split over K,
+        # the SwiGLU with its tail split, warp-specialized and in one partition, a folded norm
+        # after a split product, and the GDN in projection with its conv and gates
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        held = groupwise_gemv_gluon.WIDE_CODES, groupwise_gemv_gluon.WARP_SPECIALIZED
+        groupwise_gemv_gluon.WIDE_CODES = True
+        try:
+            gluon_q4(8, 34816, 5120)
+            gluon_q4(3, 5120, 17408)
+            for specialized in (True, False):
+                groupwise_gemv_gluon.WARP_SPECIALIZED = specialized
+                gluon_q4_tail(8, 34816, 5120, True)
+            gluon_q4_folded(8, 5120, 17408)
+            gluon_in_projection_with_conv_and_gates(True)
+        finally:
+            groupwise_gemv_gluon.WIDE_CODES, groupwise_gemv_gluon.WARP_SPECIALIZED = held
+
     def gluon_q4_folded(m: int, n: int, k: int) -> None:
         # the producer's epilogue with the next norm, then a consumer taking its rows
         from ninfer.kernels import groupwise_gemv_gluon
@@ -450,6 +469,7 @@ def cases():
             lambda: gluon_q4_tail(8, 34816, 5120, True)),
         ("tensor-core gemv q4 in gluon, tail split", lambda: gluon_q4_tail(8, 34816, 5120, False)),
         ("tensor-core gemv q4 in gluon, warp-specialized", gluon_q4_warp_specialized),
+        ("tensor-core gemv q4 in gluon, codes in wide boxes", gluon_q4_wide_codes),
         ("tensor-core gemv q6 in gluon", lambda: gluon_q6(8, 248320, 5120)),
         ("tensor-core gemv q4 in gluon, norm folded", lambda: gluon_q4_folded(8, 5120, 6144)),
         ("tensor-core gemv q4 in gluon, norm folded, split-K",
