@@ -15,7 +15,8 @@ setting: four programs an SM), waiting for each tile as the product does and rea
 nothing; the down product's row blocks are split over K for about four programs an SM, as
 its setting is. Forms: the codes in the product's boxes or the wide ones, alone, with the
 scales, and with the scales and x. Beside them in the same run: the product itself at eight
-x rows and the device's copy rate. Times are CUDA-graph replays, median, the weights
+x rows, with its codes in the narrow boxes and in the wide ones (`WIDE_CODES`), and the
+device's copy rate. Times are CUDA-graph replays, median, the weights
 rotated over sets larger than the L2 (`decode_variants.median_us`).
 
     python bench/tma_boxes.py
@@ -141,9 +142,12 @@ def main() -> None:
         x = torch.randn(8, k, device=DEVICE, dtype=torch.bfloat16)
         out = torch.empty(triton.cdiv(n, BN), dtype=torch.int32, device=DEVICE)
         product = gluon_q4.q4_swiglu_linear if name == "gate|up" else gluon_q4.q4_linear
-        rows = [
-            ("the product, 8 rows", median_us(rotating([partial(product, x, w) for w in weights])))
-        ]
+        rows = []
+        for wide in (False, True):  # the product as shipped, then with WIDE_CODES
+            gluon_q4.WIDE_CODES = wide
+            calls = [partial(product, x, w) for w in weights]
+            rows.append((f"product{', wide' if wide else ''}, 8 rows", median_us(rotating(calls))))
+        gluon_q4.WIDE_CODES = False
         for wide, parts in FORMS:
             calls = [partial(stream, w, x, out, wide, parts, splits) for w in weights]
             rows.append((f"{'wide' if wide else 'as asked'} {parts}", median_us(rotating(calls))))
