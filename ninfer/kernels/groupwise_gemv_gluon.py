@@ -121,8 +121,9 @@ GATE_TOKEN_SHARES = 1
 # A tile's codes asked for as two boxes of [rows, 32 words] (128 contiguous bytes a row, read
 # back through a 128-byte swizzle as x's tile is), not one [GROUPS, rows, 8 words] box (32 bytes
 # a row). A TMA copy moves its box row by row, and the narrow box makes 512 of a tile's 640 rows
-# of copies for 25 KB (bench/decode_kernels.md, "The Gluon product's copies by the row"). q4
-# only. Compiled for sm_90, not yet run on the GPU machine: off.
+# of copies for 25 KB (bench/decode_kernels.md, "The Gluon product's copies by the row"). A q6
+# weight's high bits go likewise, as one [rows, 32 words] box a tile, not [GROUPS, rows, 4
+# words]. Compiled for sm_90, not yet run on the GPU machine: off.
 WIDE_CODES = False
 # The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
 # ring's copies and the program's four warps computing, so that the copies' barriers of the
@@ -333,6 +334,8 @@ sub.rn.bf16x2 $3, p3, bias;
                 _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
             else:
                 _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+            if Q6:  # the tile's high bits: a row's 32 words, one box
+                _tma_load(h_desc, [n0, tile * (groups * 4)], bar, h_ring.index(slot), pred=pred)
         elif WEIGHTS:
             if HALVES:
                 _tma_load(w_desc, [tile * groups, 0, n0, 0], bar, w_ring.index(slot), pred=pred)
@@ -387,7 +390,9 @@ sub.rn.bf16x2 $3, p3, bias;
             ws = _view(w_ring.index(slot), gl.int32, [GROUPS * BN, 8], W_SHARED)
         scales = _view(s_ring.index(slot), gl.float16, [BN, GROUPS], S_SHARED)
         scales = scales.load(S_LAYOUT).to(gl.float32)
-        if Q6:
+        if Q6 and WIDE:  # [BN, 32]: a row's four words of each group
+            hs = h_ring.index(slot)
+        elif Q6:
             hs = _view(h_ring.index(slot), gl.int32, [GROUPS * BN, 4], W_SHARED)
         for g in gl.static_range(GROUPS):
             if WIDE:
@@ -395,7 +400,9 @@ sub.rn.bf16x2 $3, p3, bias;
                 words = half.slice((g % (GROUPS // 2)) * 8, 8, dim=1).load(W_LAYOUT)
             else:
                 words = ws.slice(g * BN, BN).load(W_LAYOUT)
-            if Q6:
+            if Q6 and WIDE:
+                high = _high_bits(hs.slice(g * 4, 4, dim=1).load(H_LAYOUT), W_LAYOUT)
+            elif Q6:
                 high = _high_bits(hs.slice(g * BN, BN).load(H_LAYOUT), W_LAYOUT)
             else:
                 high = words
@@ -896,7 +903,6 @@ sub.rn.bf16x2 $3, p3, bias;
                 gl.bfloat16, [STAGES, GROUPS, 8, _GROUP], x_desc.layout
             )
             WIDE: gl.constexpr = len(w_desc.block_type.shape) == 2  # `WIDE_CODES`
-            gl.static_assert(not (WIDE and Q6))
             if WIDE:  # a slot: each K half's boxes (gate's rows, then up's with SWIGLU)
                 w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * BN, 32], w_desc.layout)
             elif (
@@ -913,8 +919,11 @@ sub.rn.bf16x2 $3, p3, bias;
                 )
             else:
                 s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
-            if Q6:  # a group's four words of high bits per row
+            if Q6 and WIDE:  # a row's four words of high bits a group, the groups side by side
+                h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], h_desc.layout)
+            elif Q6:  # a group's four words of high bits per row
                 h_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 4], h_desc.layout)
+            if Q6:
                 # thread t of a row quad: high word t of its rows
                 H_LAYOUT: gl.constexpr = gl.DistributedLinearLayout(
                     reg_bases=ROWS_REG,
@@ -1304,10 +1313,19 @@ def _descriptors(
     )
 
 
-def _high_descriptor(high: torch.Tensor, block_n: int):
+def _high_descriptor(high: torch.Tensor, block_n: int, wide: bool = False):
     """q6's high bits [N, K/4] bytes as int32 words [K/64, N, 4] (a group's four words per
-    row), a box of GROUPS groups of block_n rows."""
+    row), a box of GROUPS groups of block_n rows; with `wide` (`WIDE_CODES`) the words
+    [N, K/16] and a box of block_n rows of a tile's 32 words, 128-byte swizzle."""
     words = high.view(torch.int32)
+    if wide:
+        return TensorDescriptor(
+            words,
+            list(words.shape),
+            list(words.stride()),
+            [block_n, GROUPS * 4],
+            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2),
+        )
     n, k = high.shape[0], high.shape[1] * 4
     w = words.as_strided((k // GROUP, n, 4), (4, words.stride(0), 1))
     return TensorDescriptor(
@@ -1550,12 +1568,12 @@ def _launch(
         gate_shares = triton.cdiv(m, gate_tokens)
         gate_programs, gate_outputs = 2 * heads * gate_shares, (g, beta)
     ws = WARP_SPECIALIZED and not (q6 or after or conv or gates or head_normed is not None)
-    x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu, WIDE_CODES and not q6)
+    x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu, WIDE_CODES)
     _q4_tc_kernel[(full + tail_blocks * tail_splits + gate_programs, splits)](
         x_desc,
         w_desc,
         s_desc,
-        _high_descriptor(weight.planes["high"], block_n) if q6 else w_desc,
+        _high_descriptor(weight.planes["high"], block_n, WIDE_CODES) if q6 else w_desc,
         partial if splits > 1 and counters is None else out,
         partial,
         counters if counters is not None else out,

@@ -301,12 +301,13 @@ def test_gluon_warp_specialized_product_gives_the_same_bits(monkeypatch, form, p
 
 
 @pytest.mark.parametrize("specialized", [True, False], ids=["specialized", "one partition"])
-@pytest.mark.parametrize("form", ["plain", "split", "swiglu", "tail", "normed", "folded"])
+@pytest.mark.parametrize("form", ["plain", "split", "swiglu", "tail", "normed", "folded", "q6"])
 def test_gluon_codes_in_wide_boxes_give_the_same_bits(monkeypatch, form, specialized):
     """`WIDE_CODES`: a tile's codes asked for as two [rows, 32-word] boxes and read back
     through their swizzle give the narrow boxes' bits, in every form of the product (the
     warp-specialized forms and the one-partition loop), a SwiGLU whose last gate box runs
-    past gate's 1500 rows and a split product with the next norm folded in among them."""
+    past gate's 1500 rows, a split product with the next norm folded in and a q6 weight,
+    its high bits in one wide box a tile, among them."""
     from ninfer.kernels import groupwise_gemv_gluon
     from ninfer.kernels.norm_fold import NormAfter
 
@@ -323,6 +324,10 @@ def test_gluon_codes_in_wide_boxes_give_the_same_bits(monkeypatch, form, special
         def product(x, weight):
             rows, total = groupwise_gemv_gluon.q4_linear(x, weight, NormAfter(residual, norm, 1e-6))
             return torch.cat([rows.weighted.float(), total.float()]), rows.squares
+    elif form == "q6":
+        product = groupwise_gemv_gluon.q6_linear
+        weight = get_format(Q6).encode(torch.randn(2000, 5120, device="cuda") * 0.05)
+        x = torch.randn(8, 5120, device="cuda").to(torch.bfloat16)
     else:
         product, x, weight = _product_case(form)
     outs = []

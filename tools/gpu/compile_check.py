@@ -244,7 +244,8 @@ def cases():
     def gluon_q4_wide_codes() -> None:
         # the codes in two wide boxes a tile (`WIDE_CODES`): a plain product, one split over K,
         # the SwiGLU with its tail split, warp-specialized and in one partition, a folded norm
-        # after a split product, and the GDN in projection with its conv and gates
+        # after a split product, the GDN in projection with its conv and gates, and a q6 head
+        # (its high bits in a wide box too)
         from ninfer.kernels import groupwise_gemv_gluon
 
         held = groupwise_gemv_gluon.WIDE_CODES, groupwise_gemv_gluon.WARP_SPECIALIZED
@@ -257,6 +258,7 @@ def cases():
                 gluon_q4_tail(8, 34816, 5120, True)
             gluon_q4_folded(8, 5120, 17408)
             gluon_in_projection_with_conv_and_gates(True)
+            gluon_q6(8, 248320, 5120)
         finally:
             groupwise_gemv_gluon.WIDE_CODES, groupwise_gemv_gluon.WARP_SPECIALIZED = held
 
