@@ -15,8 +15,8 @@ setting: four programs an SM), waiting for each tile as the product does and rea
 nothing; the down product's row blocks are split over K for about four programs an SM, as
 its setting is. Forms: the codes in the product's boxes or the wide ones, alone, with the
 scales, and with the scales and x. Beside them in the same run: the product itself at eight
-x rows, with its codes in the narrow boxes and in the wide ones (`WIDE_CODES`), and the
-device's copy rate. Times are CUDA-graph replays, median, the weights
+x rows, with its codes in the narrow boxes and in the wide ones (`WIDE_CODES`), the 27B q6
+head likewise, and the device's copy rate. Times are CUDA-graph replays, median, the weights
 rotated over sets larger than the L2 (`decode_variants.median_us`).
 
     python bench/tma_boxes.py
@@ -45,6 +45,7 @@ Q4 = get_format("q4_g64_fp16")
 BN, GROUPS, STAGES = 64, 8, 2
 # 27B products: (N, K, K splits for about four programs an SM)
 SHAPES = {"gate|up": (34816, 5120, 1), "down": (5120, 17408, 6)}
+HEAD = (248320, 5120)  # the 27B head, q6
 FORMS = [(wide, parts) for wide in (False, True) for parts in ("codes", "+scales", "+x")]
 
 
@@ -157,6 +158,18 @@ def main() -> None:
             rate = moved / (us * 1e-6)
             print(f"{name:8} {label:>22} {us:7.2f} {rate / 1e9:7.0f} {rate / copy:8.1%}")
         del weights
+    # the 27B q6 head at eight rows, its codes and high bits in narrow boxes, then wide ones
+    n, k = HEAD
+    q6 = get_format("q6_g64_fp16")
+    weights = [q6.encode(torch.randn(n, k, device=DEVICE) * 0.02) for _ in range(2)]
+    x = torch.randn(8, k, device=DEVICE, dtype=torch.bfloat16)
+    for wide in (False, True):
+        gluon_q4.WIDE_CODES = wide
+        us = median_us(rotating([partial(gluon_q4.q6_linear, x, w) for w in weights]))
+        rate = q6.encoded_nbytes((n, k)) / (us * 1e-6)
+        label = f"q6 product{', wide' if wide else ''}, 8 rows"
+        print(f"{'head':8} {label:>22} {us:7.2f} {rate / 1e9:7.0f} {rate / copy:8.1%}")
+    gluon_q4.WIDE_CODES = False
 
 
 if __name__ == "__main__":
