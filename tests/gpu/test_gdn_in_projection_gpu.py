@@ -96,6 +96,25 @@ def test_in_projection_with_conv_and_gates(monkeypatch, shape, m, folded, pdl):
     assert torch.equal(out_alone, out) and torch.equal(alone.windows, ref_windows)
 
 
+def _same_bits_under(monkeypatch, switch: str, values, m: int, folded: bool, seed: int):
+    """The 27B in projection with its conv and gates at m tokens, run with the module
+    constant `switch` at each of `values`: outputs, g, beta and conv windows the same bits."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
+
+    torch.manual_seed(seed)
+    weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer("27b", m)
+    x, _ = _input(m, ba.shape[1], folded)
+    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
+    runs = []
+    for value in values:
+        monkeypatch.setattr(gluon_gemv, switch, value)
+        conv = gluon_gemv.GdnConv(taps, windows.clone(), state_slots)
+        out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
+        runs.append((out, g, beta, conv.windows))
+    for first, *others in zip(*runs, strict=True):
+        assert all(torch.equal(first, other) for other in others)
+
+
 @pytest.mark.parametrize("shares", [2, 4, 8])
 @pytest.mark.parametrize("folded", [False, True], ids=["plain", "folded"])
 @pytest.mark.parametrize("m", [2, 5, 8])
@@ -103,20 +122,7 @@ def test_gates_split_by_tokens_give_the_same_bits(monkeypatch, m, folded, shares
     """`GATE_TOKEN_SHARES`: a gates row split among programs of 8 / shares tokens each (as
     many as the step's tokens need) gives g and beta bit for bit the one-program form, and
     the same conv outputs, at the 27B shape."""
-    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
-
-    torch.manual_seed(m + 10)
-    weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer("27b", m)
-    x, _ = _input(m, ba.shape[1], folded)
-    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
-    runs = []
-    for split in (1, shares):
-        monkeypatch.setattr(gluon_gemv, "GATE_TOKEN_SHARES", split)
-        conv = gluon_gemv.GdnConv(taps, windows.clone(), state_slots)
-        out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
-        runs.append((out, g, beta, conv.windows))
-    for one, split in zip(*runs, strict=True):
-        assert torch.equal(one, split)
+    _same_bits_under(monkeypatch, "GATE_TOKEN_SHARES", (1, shares), m, folded, m + 10)
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["plain", "folded"])
@@ -124,20 +130,7 @@ def test_gates_split_by_tokens_give_the_same_bits(monkeypatch, m, folded, shares
 def test_codes_in_wide_boxes_give_the_same_bits(monkeypatch, m, folded):
     """`WIDE_CODES`: the in projection with its conv and gates, its codes asked for as wide
     boxes, gives the narrow boxes' outputs, g, beta and conv windows bit for bit (27B shape)."""
-    from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
-
-    torch.manual_seed(m + 20)
-    weight, taps, windows, state_slots, (ba, A_log, dt_bias) = _layer("27b", m)
-    x, _ = _input(m, ba.shape[1], folded)
-    gates = gluon_gemv.GdnGates(ba, A_log, dt_bias)
-    runs = []
-    for wide in (False, True):
-        monkeypatch.setattr(gluon_gemv, "WIDE_CODES", wide)
-        conv = gluon_gemv.GdnConv(taps, windows.clone(), state_slots)
-        out, (g, beta) = gluon_gemv.q4_linear_conv(x, weight, conv, gates)
-        runs.append((out, g, beta, conv.windows))
-    for narrow, wide in zip(*runs, strict=True):
-        assert torch.equal(narrow, wide)
+    _same_bits_under(monkeypatch, "WIDE_CODES", (False, True), m, folded, m + 20)
 
 
 def test_in_projection_with_conv_takes_only_what_fits():
