@@ -14,7 +14,9 @@ A program streams its row block's tiles through a ring of STAGES slots (two, as 
 setting: four programs an SM), waiting for each tile as the product does and reading
 nothing; the down product's row blocks are split over K for about four programs an SM, as
 its setting is. Forms: the codes in the product's boxes or the wide ones, alone, with the
-scales, and with the scales and x. Beside them in the same run: the product itself at eight
+scales, and with the scales and x; with the wide codes also the scales from a transposed copy
+([K/64, N]: a tile's as one [8 groups, 64 rows] box, 8 rows of 128 bytes instead of 64 of
+16). Beside them in the same run: the product itself at eight
 x rows, with its codes in the narrow boxes and in the wide ones (`WIDE_CODES`), the 27B q6
 head likewise, and the device's copy rate. Times are CUDA-graph replays, median, the weights
 rotated over sets larger than the L2 (`decode_variants.median_us`).
@@ -46,7 +48,10 @@ BN, GROUPS, STAGES = 64, 8, 2
 # 27B products: (N, K, K splits for about four programs an SM)
 SHAPES = {"gate|up": (34816, 5120, 1), "down": (5120, 17408, 6)}
 HEAD = (248320, 5120)  # the 27B head, q6
-FORMS = [(wide, parts) for wide in (False, True) for parts in ("codes", "+scales", "+x")]
+# codes alone, with the scales (as stored, or a transposed copy: [K/64, N], a box of
+# [8 groups, 64 rows], 128-byte rows), with the scales and x
+PARTS = ("codes", "+scales", "+x", "+scales T", "+scales T +x")
+FORMS = [(False, "codes"), (False, "+scales"), (False, "+x")] + [(True, p) for p in PARTS]
 
 
 @gluon.jit
@@ -66,14 +71,17 @@ def _stream_kernel(
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES * 2, BN, 32], w_desc.layout)
     else:
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, GROUPS, BN, 8], w_desc.layout)
-    s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
+    if SCALES == 2:  # transposed: [GROUPS, BN]
+        s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, GROUPS, BN], s_desc.layout)
+    else:
+        s_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, GROUPS], s_desc.layout)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, GROUPS, 8, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     nbytes: gl.constexpr = (
         BOXES * w_desc.block_type.nbytes
-        + (s_desc.block_type.nbytes if SCALES else 0)
+        + (s_desc.block_type.nbytes if SCALES > 0 else 0)
         + (x_desc.block_type.nbytes if X else 0)
     )
     for j in range(-(STAGES - 1), count):
@@ -93,7 +101,11 @@ def _stream_kernel(
             gluon_q4._tma_load(
                 w_desc, [tile * GROUPS, n0, 0], bar, w_ring.index(slot), pred=ahead < count
             )
-        if SCALES:
+        if SCALES == 2:
+            gluon_q4._tma_load(
+                s_desc, [tile * GROUPS, n0], bar, s_ring.index(slot), pred=ahead < count
+            )
+        elif SCALES == 1:
             gluon_q4._tma_load(
                 s_desc, [n0, tile * GROUPS], bar, s_ring.index(slot), pred=ahead < count
             )
@@ -108,12 +120,22 @@ def _stream_kernel(
     gl.store(out_ptr + pid_n, count)
 
 
-def stream(weight, x: torch.Tensor, out: torch.Tensor, wide: bool, parts: str, splits: int):
-    """Launch the streaming kernel over weight's row blocks: `parts` codes, +scales or +x."""
+def stream(
+    weight, scales_t, x: torch.Tensor, out: torch.Tensor, wide: bool, parts: str, splits: int
+):
+    """Launch the streaming kernel over weight's row blocks: `parts` one of PARTS."""
     codes, scales = weight.planes["codes"], weight.planes["scales"]
     n, k = weight.shape
     num_tiles = k // (64 * GROUPS)
     x_desc, w_desc, s_desc = gluon_q4._descriptors(x, codes, scales, BN, False)
+    if "scales T" in parts:  # scales_t: the scales' transposed copy, [K/64, N]
+        s_desc = TensorDescriptor(
+            scales_t,
+            list(scales_t.shape),
+            list(scales_t.stride()),
+            [GROUPS, BN],
+            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+        )
     if wide:  # each row's 256 bytes of a tile as two boxes of 128, swizzled as x's are
         words = codes.view(torch.int32)
         w_desc = TensorDescriptor(
@@ -126,7 +148,7 @@ def stream(weight, x: torch.Tensor, out: torch.Tensor, wide: bool, parts: str, s
     per_split = triton.cdiv(num_tiles, splits)
     _stream_kernel[(triton.cdiv(n, BN), splits)](
         w_desc, s_desc, x_desc, out, num_tiles, per_split,
-        BN=BN, GROUPS=GROUPS, WIDE=wide, SCALES=parts != "codes", X=parts == "+x", STAGES=STAGES, num_warps=4,
+        BN=BN, GROUPS=GROUPS, WIDE=wide, SCALES=(2 if "scales T" in parts else 1) if parts != "codes" else 0, X=parts.endswith("+x"), STAGES=STAGES, num_warps=4,
     )  # fmt: skip
 
 
@@ -140,6 +162,7 @@ def main() -> None:
             Q4.encode(torch.randn(n, k, device=DEVICE) * 0.02)
             for _ in range(max(2, math.ceil(240e6 / nbytes)))
         ]
+        transposed = [w.planes["scales"].t().contiguous() for w in weights]
         x = torch.randn(8, k, device=DEVICE, dtype=torch.bfloat16)
         out = torch.empty(triton.cdiv(n, BN), dtype=torch.int32, device=DEVICE)
         product = gluon_q4.q4_swiglu_linear if name == "gate|up" else gluon_q4.q4_linear
@@ -150,11 +173,14 @@ def main() -> None:
             rows.append((f"product{', wide' if wide else ''}, 8 rows", median_us(rotating(calls))))
         gluon_q4.WIDE_CODES = False
         for wide, parts in FORMS:
-            calls = [partial(stream, w, x, out, wide, parts, splits) for w in weights]
+            calls = [
+                partial(stream, w, t, x, out, wide, parts, splits)
+                for w, t in zip(weights, transposed, strict=True)
+            ]
             rows.append((f"{'wide' if wide else 'as asked'} {parts}", median_us(rotating(calls))))
         codes_bytes = n * k // 2
         for label, us in rows:  # the bytes from DRAM: codes, and scales where read (x: L2)
-            moved = codes_bytes if label.endswith("codes") else nbytes
+            moved = codes_bytes if label.endswith(" codes") else nbytes
             rate = moved / (us * 1e-6)
             print(f"{name:8} {label:>22} {us:7.2f} {rate / 1e9:7.0f} {rate / copy:8.1%}")
         del weights
