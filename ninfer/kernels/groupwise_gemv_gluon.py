@@ -319,31 +319,32 @@ sub.rn.bf16x2 $3, p3, bias;
         x_ring, w_ring, s_ring, h_ring = rings
         groups: gl.constexpr = s_desc.block_type.shape[-1]
         bar = ready.index(slot)
-        if WEIGHTS and len(w_desc.block_type.shape) == 2:
-            rows: gl.constexpr = w_desc.block_type.shape[0]
-            words = w_ring.index(slot)
-            for b in gl.static_range(2):
-                column = tile * (groups * 8) + b * (groups * 4)
-                if HALVES:
-                    _tma_load(w_desc, [n0, column], bar, words.slice(2 * b * rows, rows), pred=pred)
-                    up = words.slice((2 * b + 1) * rows, rows)
-                    _tma_load(w_desc, [up_rows + n0, column], bar, up, pred=pred)
-                else:
-                    _tma_load(w_desc, [n0, column], bar, words.slice(b * rows, rows), pred=pred)
-            if HALVES:
-                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
-            else:
-                _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
-            if Q6:  # the tile's high bits: a row's 32 words, one box
-                _tma_load(h_desc, [n0, tile * (groups * 4)], bar, h_ring.index(slot), pred=pred)
-        elif WEIGHTS:
-            if HALVES:
+        WIDE: gl.constexpr = len(w_desc.block_type.shape) == 2
+        if WEIGHTS:
+            if WIDE:
+                rows: gl.constexpr = w_desc.block_type.shape[0]
+                words = w_ring.index(slot)
+                for b in gl.static_range(2):
+                    column = tile * (groups * 8) + b * (groups * 4)
+                    if HALVES:
+                        gate = words.slice(2 * b * rows, rows)
+                        _tma_load(w_desc, [n0, column], bar, gate, pred=pred)
+                        up = words.slice((2 * b + 1) * rows, rows)
+                        _tma_load(w_desc, [up_rows + n0, column], bar, up, pred=pred)
+                    else:
+                        box = words.slice(b * rows, rows)
+                        _tma_load(w_desc, [n0, column], bar, box, pred=pred)
+            elif HALVES:
                 _tma_load(w_desc, [tile * groups, 0, n0, 0], bar, w_ring.index(slot), pred=pred)
-                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
             else:
                 _tma_load(w_desc, [tile * groups, n0, 0], bar, w_ring.index(slot), pred=pred)
+            if HALVES:
+                _tma_load(s_desc, [0, n0, tile * groups], bar, s_ring.index(slot), pred=pred)
+            else:
                 _tma_load(s_desc, [n0, tile * groups], bar, s_ring.index(slot), pred=pred)
-            if Q6:
+            if Q6 and WIDE:  # the tile's high bits: a row's 32 words, one box
+                _tma_load(h_desc, [n0, tile * (groups * 4)], bar, h_ring.index(slot), pred=pred)
+            elif Q6:
                 _tma_load(h_desc, [tile * groups, n0, 0], bar, h_ring.index(slot), pred=pred)
         if X:
             _tma_load(x_desc, [tile * groups, 0, 0], bar, x_ring.index(slot), pred=pred)
