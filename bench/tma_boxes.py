@@ -16,9 +16,8 @@ nothing; the down product's row blocks are split over K for about four programs 
 its setting is. Forms: the codes in the product's boxes or the wide ones, alone, with the
 scales, and with the scales and x; with the wide codes also the scales from a transposed copy
 ([K/64, N]: a tile's as one [8 groups, 64 rows] box, 8 rows of 128 bytes instead of 64 of
-16). Beside them in the same run: the product itself at eight
-x rows, with its codes in the narrow boxes and in the wide ones (`WIDE_CODES`), the 27B q6
-head likewise, and the device's copy rate. Times are CUDA-graph replays, median, the weights
+16). Beside them in the same run: the product itself at eight x rows, with its codes in the
+narrow boxes and in the wide ones (`WIDE_CODES`, shipped on), the 27B q6 head likewise, and the device's copy rate. Times are CUDA-graph replays, median, the weights
 rotated over sets larger than the L2 (`decode_variants.median_us`).
 
     python bench/tma_boxes.py
@@ -154,6 +153,7 @@ def stream(
 
 def main() -> None:
     copy = copy_bandwidth(DEVICE)
+    shipped = gluon_q4.WIDE_CODES
     print(f"copy {copy / 1e9:.1f} GB/s")
     print(f"{'27B':8} {'form':>22} {'us':>7} {'GB/s':>7} {'of copy':>8}")
     for name, (n, k, splits) in SHAPES.items():
@@ -167,11 +167,11 @@ def main() -> None:
         out = torch.empty(triton.cdiv(n, BN), dtype=torch.int32, device=DEVICE)
         product = gluon_q4.q4_swiglu_linear if name == "gate|up" else gluon_q4.q4_linear
         rows = []
-        for wide in (False, True):  # the product as shipped, then with WIDE_CODES
+        for wide in (False, True):  # the product with its codes in narrow boxes, then wide ones
             gluon_q4.WIDE_CODES = wide
             calls = [partial(product, x, w) for w in weights]
             rows.append((f"product{', wide' if wide else ''}, 8 rows", median_us(rotating(calls))))
-        gluon_q4.WIDE_CODES = False
+        gluon_q4.WIDE_CODES = shipped
         for wide, parts in FORMS:
             calls = [
                 partial(stream, w, t, x, out, wide, parts, splits)
@@ -195,7 +195,7 @@ def main() -> None:
         rate = q6.encoded_nbytes((n, k)) / (us * 1e-6)
         label = f"q6 product{', wide' if wide else ''}, 8 rows"
         print(f"{'head':8} {label:>22} {us:7.2f} {rate / 1e9:7.0f} {rate / copy:8.1%}")
-    gluon_q4.WIDE_CODES = False
+    gluon_q4.WIDE_CODES = shipped
 
 
 if __name__ == "__main__":

@@ -123,8 +123,10 @@ GATE_TOKEN_SHARES = 1
 # a row). A TMA copy moves its box row by row, and the narrow box makes 512 of a tile's 640 rows
 # of copies for 25 KB (bench/decode_kernels.md, "The Gluon product's copies by the row"). A q6
 # weight's high bits go likewise, as one [rows, 32 words] box a tile, not [GROUPS, rows, 4
-# words]. Compiled for sm_90, not yet run on the GPU machine: off.
-WIDE_CODES = False
+# words]. On the H200 the tiles streamed with no arithmetic went from 81 to 94 % of copy, the
+# 27B gate|up at eight rows took 30.78 -> 28.08 us alone, the q6 head 331 -> 288 us, and the
+# 27B q4 C=8 step 6.48-6.49 -> 6.32 ms (docs/performance.md, Measurement 40).
+WIDE_CODES = True
 # The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
 # ring's copies and the program's four warps computing, so that the copies' barriers of the
 # whole program go (bench/decode_kernels.md, "What the Gluon product's loop waits on besides
