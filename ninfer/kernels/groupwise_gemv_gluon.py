@@ -114,10 +114,10 @@ TAIL_SPLITS = 5
 # 8 / GATE_TOKEN_SHARES of the step's tokens (`_gates_program`): a gates program's time is its
 # chain of x loads token by token (docs/performance.md, Measurement 29), and at eight sequences
 # the 27B layer's 96 rows run after the product's row blocks. On the H200 two gave the same bits
-# as one and took the 27B q4 C=8 step 0.01-0.05 ms below it in three alternating pairs, within
-# twice the spread of repeated runs; off until the graphs tests have run with it
-# (docs/performance.md, Measurement 39): 1.
-GATE_TOKEN_SHARES = 1
+# as one; with the codes in wide boxes they took the 27B q4 C=8 step 6.29-6.30 -> 6.22 ms in two
+# alternating pairs (before them 0.01-0.05 ms, within noise; docs/performance.md, Measurements 39
+# and 40): 2.
+GATE_TOKEN_SHARES = 2
 # A tile's codes asked for as two boxes of [rows, 32 words] (128 contiguous bytes a row, read
 # back through a 128-byte swizzle as x's tile is), not one [GROUPS, rows, 8 words] box (32 bytes
 # a row). A TMA copy moves its box row by row, and the narrow box makes 512 of a tile's 640 rows

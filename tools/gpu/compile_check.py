@@ -299,7 +299,7 @@ def cases():
         groupwise_gemv_gluon.q4_linear(rows, weight, after)
         groupwise_gemv_gluon.q4_linear(rows, weight)
 
-    def gluon_in_projection_with_conv_and_gates(folded: bool, token_shares: int = 1) -> None:
+    def gluon_in_projection_with_conv_and_gates(folded: bool, token_shares: int = 2) -> None:
         # the 27B GDN in projection at eight sequences: the conv in its epilogue, the gates in
         # programs of its grid, x plain or a folded norm's rows
         from ninfer.kernels import groupwise_gemv_gluon as gluon_gemv
@@ -481,8 +481,8 @@ def cases():
             lambda: gluon_in_projection_with_conv_and_gates(False)),
         ("gdn in projection in gluon with the conv and gates, norm folded",
             lambda: gluon_in_projection_with_conv_and_gates(True)),
-        ("gdn in projection in gluon with the conv and gates, gates in two token shares",
-            lambda: gluon_in_projection_with_conv_and_gates(False, 2)),
+        ("gdn in projection in gluon with the conv and gates, gates in one token share",
+            lambda: gluon_in_projection_with_conv_and_gates(False, 1)),
         ("tensor-core gemv q8", lambda: kc.check_groupwise_linear(
             groupwise_gemv_triton, q8, 8, 34816, 5120, BF16, cpu, 1e-2)),
         ("integer gemv with the conv", in_projection_with_the_conv),
