@@ -121,11 +121,11 @@ GATE_TOKEN_SHARES = 2
 # A tile's codes asked for as two boxes of [rows, 32 words] (128 contiguous bytes a row, read
 # back through a 128-byte swizzle as x's tile is), not one [GROUPS, rows, 8 words] box (32 bytes
 # a row). A TMA copy moves its box row by row, and the narrow box makes 512 of a tile's 640 rows
-# of copies for 25 KB (bench/decode_kernels.md, "The Gluon product's copies by the row"). A q6
+# of copies for 25 KB (bench/decode_kernels.md, "The Gluon product's codes in wide boxes"). A q6
 # weight's high bits go likewise, as one [rows, 32 words] box a tile, not [GROUPS, rows, 4
 # words]. On the H200 the tiles streamed with no arithmetic went from 81 to 94 % of copy, the
 # 27B gate|up at eight rows took 30.78 -> 28.08 us alone, the q6 head 331 -> 288 us, and the
-# 27B q4 C=8 step 6.48-6.49 -> 6.32 ms (docs/performance.md, Measurement 40).
+# 27B q4 C=8 step 6.41-6.49 -> 6.29-6.32 ms in three pairs (docs/performance.md, Measurement 40).
 WIDE_CODES = True
 # The product's loop as two partitions (`gl.warp_specialize`): a producer warp issuing the
 # ring's copies and the program's four warps computing, so that the copies' barriers of the
