@@ -21,7 +21,9 @@ inputs, CUDA-graph replay, median; weights rotated over sets larger than the L2)
   without programmatic dependent launch (docs/performance.md, Measurement 21);
 - the q4 product at two to eight x rows in Gluon (`groupwise_gemv_gluon`) against the Triton
   tensor-core kernel, at its rows per program, ring slots and the programs per SM that K is
-  split for (bench/decode_kernels.md, "The q4 product at eight rows in Gluon");
+  split for (bench/decode_kernels.md, "The q4 product at eight rows in Gluon"), and the 27B
+  products at eight rows as the C=8 step calls them at each of those settings
+  (`gluon_q4_settings_at_eight_rows`; a `*` marks the shipped one);
 - torch's int4 tensor-core product (`torch.ops.aten._weight_int4pack_mm`, weights prepared by
   `_convert_weight_to_int4pack`) against our q4 GEMVs at the 27B shapes, one to sixteen x rows
   (bench/decode_kernels.md, "torch's int4 tensor-core kernel against ours").
@@ -696,6 +698,18 @@ def dependent_launch_floor() -> None:
             print(f"{'copy x + 1 of 5120 bf16':24} {programs:8d} {str(pdl):>4} {us:13.2f}")
 
 
+# (rows per program, ring slots, programs per SM that K is split for) the Gluon sweeps try
+GLUON_SETTINGS = (
+    (64, 3, 2),
+    (64, 2, 2),
+    (64, 4, 2),
+    (64, 3, 3),
+    (64, 3, 4),
+    (128, 2, 1),
+    (128, 3, 1),
+)
+
+
 def gluon_q4_settings() -> None:
     """The 27B and 35B-A3B q4 products at 8 and 2 x rows: the Triton tensor-core kernel
     (the dispatch with the Gluon kernel refused), then the Gluon one at each setting."""
@@ -703,15 +717,7 @@ def gluon_q4_settings() -> None:
 
     copy = copy_bandwidth(DEVICE)
     shapes = (*GEMV_SHAPES, (12288, 5120), (9216, 2048), (2048, 4096))
-    settings = [
-        (64, 3, 2),
-        (64, 2, 2),
-        (64, 4, 2),
-        (64, 3, 3),
-        (64, 3, 4),
-        (128, 2, 1),
-        (128, 3, 1),
-    ]
+    settings = GLUON_SETTINGS
     default = gluon_q4.BLOCK_N, gluon_q4.STAGES, gluon_q4.PROGRAMS_PER_SM
     real_fits, tuned = gluon_q4.fits, gluon_q4.TUNED
     gluon_q4.TUNED = {}  # every product takes the setting swept
@@ -742,6 +748,34 @@ def gluon_q4_settings() -> None:
                 print(f"{f'{n}x{k}':18} {m:2d} {label:>24} {us:7.2f} {share:8.1%}")
         del weights
     gluon_q4.TUNED = tuned
+
+
+def gluon_q4_settings_at_eight_rows() -> None:
+    """The 27B q4 products at eight x rows as the C=8 step calls them (the gate|up through
+    `q4_swiglu_linear`, the others through `q4_linear`; the in projection without its conv), at
+    each Gluon setting set as that product's tuned entry, the device's other entries kept."""
+    from ninfer.kernels import groupwise_gemv_gluon as gluon_q4
+
+    copy = copy_bandwidth(DEVICE)
+    name = torch.cuda.get_device_name(0)
+    tuned = dict(gluon_q4.TUNED.get(name, {}))
+    print(f"{'q4 product':14} {'setting':>9} {'us':>7} {'of copy':>8}")
+    for n, k in (*GEMV_SHAPES, (12288, 5120)):
+        nbytes = Q4.encoded_nbytes((n, k))
+        weights = [
+            Q4.encode(torch.randn(n, k, device=DEVICE) * 0.02)
+            for _ in range(max(2, math.ceil(240e6 / nbytes)))
+        ]
+        x = torch.randn(8, k, device=DEVICE, dtype=BF16)
+        product = gluon_q4.q4_swiglu_linear if (n, k) == (34816, 5120) else gluon_q4.q4_linear
+        shipped = gluon_q4._config(n, k, torch.device(DEVICE))
+        for setting in GLUON_SETTINGS:
+            gluon_q4.TUNED[name] = {**tuned, (n, k): setting}
+            us = median_us(rotating([partial(product, x, w) for w in weights]))
+            label = "/".join(map(str, setting)) + (" *" if setting == shipped else "")
+            print(f"{f'{n}x{k}':14} {label:>9} {us:7.2f} {nbytes / (us * 1e-6) / copy:8.1%}")
+        gluon_q4.TUNED[name] = tuned
+        del weights
 
 
 def gdn_in_projection_conv_gates() -> None:
