@@ -1,8 +1,9 @@
 """The Gluon q4 product's copies alone: its TMA ring streamed with no arithmetic, in the boxes
-the product asks for and in wider ones, at the 27B gate|up and down shapes (GPU only).
+the product asked for and in the wider ones it asks for now, at the 27B gate|up and down
+shapes (GPU only).
 
-Each of the product's tiles (`groupwise_gemv_gluon`, 64 rows x 512 columns) is asked for as
-three TMA boxes: the codes as [8 groups, 64 rows, 8 words], whose rows are 32 contiguous
+Each of the product's tiles (`groupwise_gemv_gluon`, 64 rows x 512 columns) was asked for as
+three TMA boxes (`WIDE_CODES` off): the codes as [8 groups, 64 rows, 8 words], whose rows are 32 contiguous
 bytes each, the scales as [64 rows, 8 groups] (16 bytes a row) and x as [8 groups, 8 rows,
 64 columns] (128 bytes a row). A TMA copy moves its box row by row, so a tile is 640 rows of
 transfers for 25 KB, 512 of them the codes'. If the copy engine's rate in rows, not the
@@ -13,12 +14,13 @@ bytes a row, the swizzle the shared-memory reads then need) are faster.
 A program streams its row block's tiles through a ring of STAGES slots (two, as the gate|up's
 setting: four programs an SM), waiting for each tile as the product does and reading
 nothing; the down product's row blocks are split over K for about four programs an SM, as
-its setting is. Forms: the codes in the product's boxes or the wide ones, alone, with the
+its setting is. Forms: the codes in the narrow boxes or the wide ones, alone, with the
 scales, and with the scales and x; with the wide codes also the scales from a transposed copy
 ([K/64, N]: a tile's as one [8 groups, 64 rows] box, 8 rows of 128 bytes instead of 64 of
 16). Beside them in the same run: the product itself at eight x rows, with its codes in the
-narrow boxes and in the wide ones (`WIDE_CODES`, shipped on), the 27B q6 head likewise, and the device's copy rate. Times are CUDA-graph replays, median, the weights
-rotated over sets larger than the L2 (`decode_variants.median_us`).
+narrow boxes and in the wide ones (`WIDE_CODES`, shipped on), the 27B q6 head likewise, and
+the device's copy rate. Times are CUDA-graph replays, median, the weights rotated over sets
+larger than the L2 (`decode_variants.median_us`).
 
     python bench/tma_boxes.py
 """
@@ -145,9 +147,11 @@ def stream(
             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2),
         )
     per_split = triton.cdiv(num_tiles, splits)
+    scales = 0 if parts == "codes" else 2 if "scales T" in parts else 1
     _stream_kernel[(triton.cdiv(n, BN), splits)](
         w_desc, s_desc, x_desc, out, num_tiles, per_split,
-        BN=BN, GROUPS=GROUPS, WIDE=wide, SCALES=(2 if "scales T" in parts else 1) if parts != "codes" else 0, X=parts.endswith("+x"), STAGES=STAGES, num_warps=4,
+        BN=BN, GROUPS=GROUPS, WIDE=wide, SCALES=scales, X=parts.endswith("+x"), STAGES=STAGES,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -177,7 +181,7 @@ def main() -> None:
                 partial(stream, w, t, x, out, wide, parts, splits)
                 for w, t in zip(weights, transposed, strict=True)
             ]
-            rows.append((f"{'wide' if wide else 'as asked'} {parts}", median_us(rotating(calls))))
+            rows.append((f"{'wide' if wide else 'narrow'} {parts}", median_us(rotating(calls))))
         codes_bytes = n * k // 2
         for label, us in rows:  # the bytes from DRAM: codes, and scales where read (x: L2)
             moved = codes_bytes if label.endswith(" codes") else nbytes
