@@ -138,6 +138,15 @@ WIDE_CODES = True
 # Measurement 39).
 WARP_SPECIALIZED = True
 PRODUCER_REGISTERS, WS_MAX_REGISTERS = 24, 64
+# The warp-specialized loop also for products with the next norm folded in after them
+# (`NormAfter`: at two to eight rows the MLP down and the attention's out projection; the GDN
+# out projection, its x a folded output norm's rows, keeps one partition), the consumer warps
+# loading the residual and the norm's weight before their loop. The down product at eight rows
+# waits on issuing, fixed-latency stalls and barriers besides its copies (Nsight Compute,
+# docs/performance.md, Measurement 39), and runs at 78 % of its copies alone with the codes in
+# wide boxes, against the warp-specialized gate|up's 90 % (Measurement 40). Compiled for
+# sm_90, not yet run on the GPU machine: off.
+WS_NORM_AFTER = False
 # Value heads a folded GDN output norm may have (their factors sit in shared memory).
 MAX_HEADS = 128
 
@@ -462,20 +471,32 @@ sub.rn.bf16x2 $3, p3, bias;
     @gluon.jit
     def _consume_tiles(
         rings, ready, empty, count, first, squares_ptr, square_blocks, inv_width, eps,
-        PDL: gl.constexpr, ROW_SCALE: gl.constexpr, SQUARE_BLOCKS: gl.constexpr,
-        STAGES: gl.constexpr, BN: gl.constexpr, GROUPS: gl.constexpr, MMA: gl.constexpr,
-        A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr,
-        S_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_SHARED: gl.constexpr,
-        W_SHARED: gl.constexpr, S_SHARED: gl.constexpr,
+        residual_ptr, norm_weight_ptr, M, N, n0, PDL: gl.constexpr, ROW_SCALE: gl.constexpr,
+        SQUARE_BLOCKS: gl.constexpr, FOLD: gl.constexpr, STAGES: gl.constexpr,
+        BN: gl.constexpr, GROUPS: gl.constexpr, MMA: gl.constexpr, A_LAYOUT: gl.constexpr,
+        B_LAYOUT: gl.constexpr, W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
+        X_LAYOUT: gl.constexpr, X_SHARED: gl.constexpr, W_SHARED: gl.constexpr,
+        S_SHARED: gl.constexpr,
     ):  # fmt: skip
         """The program's four warps under `WARP_SPECIALIZED`: each tile as it arrives
         (`_tile_product`), its slot released to the producer after; with ROW_SCALE each x
-        row's folded-norm factor applied at the end. Returns (acc, acc): a tuple, which the
-        Triton versions checked return alike."""
-        if ROW_SCALE:
-            _await_inputs(PDL)
-            squares = _load_squares(squares_ptr, square_blocks, SQUARE_BLOCKS)
+        row's folded-norm factor applied at the end. With FOLD (`WS_NORM_AFTER`) the residual
+        and the norm's weight that the epilogue after the partitions reads are loaded before
+        the loop, as the one-partition kernel loads them. Returns (acc, residual, norm
+        weight), zeros in place of the two without FOLD: a tuple, which the Triton versions
+        checked return alike."""
         acc = gl.zeros([BN, 8], gl.float32, MMA)
+        if ROW_SCALE or FOLD:
+            _await_inputs(PDL)
+        if ROW_SCALE:
+            squares = _load_squares(squares_ptr, square_blocks, SQUARE_BLOCKS)
+        if FOLD:
+            rows, x_rows, at, mask = _out_index(n0, M, N, BN, MMA)
+            residual = gl.load(residual_ptr + at, mask=mask, other=0.0)
+            norm_weight = gl.load(norm_weight_ptr + rows, mask=rows < N, other=0.0)
+        else:
+            residual = acc
+            norm_weight = acc
         for j in range(count):
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
@@ -487,7 +508,7 @@ sub.rn.bf16x2 $3, p3, bias;
         if ROW_SCALE:
             scale = _row_scale(squares, inv_width, eps, MMA)
             acc = acc * gl.expand_dims(scale, 0)
-        return acc, acc
+        return acc, residual, norm_weight
 
     @gluon.jit
     def _tail_sum(
@@ -950,10 +971,8 @@ sub.rn.bf16x2 $3, p3, bias;
                 + (h_desc.block_type.nbytes if Q6 else 0)
             )
             if WS:  # a producer warp keeps the ring full (`_produce_tiles`)
-                gl.static_assert(not (FOLD or CONV or Q6 or HEAD_DIM > 0))
-                residual = 0.0  # what the epilogue's forms read; none runs here
-                norm_weight = 0.0
-                conv_in = 0.0
+                gl.static_assert(not (CONV or Q6 or HEAD_DIM > 0))
+                conv_in = 0.0  # what the conv's epilogue reads; it does not run here
                 squares = 0.0
                 empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
                 for i in gl.static_range(STAGES):
@@ -961,14 +980,15 @@ sub.rn.bf16x2 $3, p3, bias;
                 _ask_for_weights(
                     descs, rings, ready, first, count, n0, nbytes, STAGES, WEIGHTS_FIRST, SWIGLU, Q6
                 )
-                acc, _ = gl.warp_specialize(
+                acc, residual, norm_weight = gl.warp_specialize(
                     [
                         (
                             _consume_tiles,
                             (
                                 rings, ready, empty, count, first, squares_in_ptr, square_blocks,
-                                inv_width, eps, PDL, ROW_SCALE, SQUARE_BLOCKS, STAGES, BN, GROUPS,
-                                MMA, A_LAYOUT, B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, X_SHARED,
+                                inv_width, eps, residual_ptr, norm_weight_ptr, M, N, n0, PDL,
+                                ROW_SCALE, SQUARE_BLOCKS, FOLD, STAGES, BN, GROUPS, MMA,
+                                A_LAYOUT, B_LAYOUT, W_LAYOUT, S_LAYOUT, X_LAYOUT, X_SHARED,
                                 W_SHARED, S_SHARED,
                             ),
                         ),
@@ -1570,7 +1590,9 @@ def _launch(
         # each program a b|a row for gate_tokens of the step's tokens
         gate_shares = triton.cdiv(m, gate_tokens)
         gate_programs, gate_outputs = 2 * heads * gate_shares, (g, beta)
-    ws = WARP_SPECIALIZED and not (q6 or after or conv or gates or head_normed is not None)
+    ws = WARP_SPECIALIZED and not (
+        q6 or (after and not WS_NORM_AFTER) or conv or gates or head_normed is not None
+    )
     x_desc, w_desc, s_desc = _descriptors(x, codes, scales, block_n, swiglu, WIDE_CODES)
     _q4_tc_kernel[(full + tail_blocks * tail_splits + gate_programs, splits)](
         x_desc,

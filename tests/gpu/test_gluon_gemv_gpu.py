@@ -262,10 +262,25 @@ def test_gluon_tail_blocks_split_where_few_programs_fit(monkeypatch, pdl, swiglu
 
 def _product_case(form: str):
     """(product, x, weight) of a `test_gluon_warp_specialized_product_gives_the_same_bits`
-    form."""
+    form; the product of "folded" (the 27B down at eight rows, the next norm folded in after
+    it) gives (its output rows, the sum, the squares table)."""
     from ninfer.kernels import groupwise_gemv_gluon
-    from ninfer.kernels.norm_fold import NormedRows
+    from ninfer.kernels.norm_fold import NormAfter, NormedRows
 
+    if form == "folded":
+        weight = get_format(Q4).encode(torch.randn(5120, 17408, device="cuda") * 0.05)
+        x = torch.randn(8, 17408, device="cuda").to(torch.bfloat16)
+        after = NormAfter(
+            torch.randn(8, 5120, device="cuda").to(torch.bfloat16),
+            torch.randn(5120, device="cuda").to(torch.bfloat16),
+            1e-6,
+        )
+
+        def product(x, weight):
+            rows, total = groupwise_gemv_gluon.q4_linear(x, weight, after)
+            return rows.weighted, total, rows.squares
+
+        return product, x, weight
     shapes = {"plain": (34816, 5120, 8), "split": (5120, 17408, 5), "swiglu": (3000, 2048, 7)}
     n, k, m = shapes.get(form, (34816, 5120, 8))
     weight = get_format(Q4).encode(torch.randn(n, k, device="cuda") * 0.05)
@@ -279,16 +294,18 @@ def _product_case(form: str):
 
 @pytest.mark.parametrize("first", [True, False], ids=["weights first", "after the wait"])
 @pytest.mark.parametrize("pdl", ["0", "1"])
-@pytest.mark.parametrize("form", ["plain", "split", "swiglu", "tail", "normed"])
+@pytest.mark.parametrize("form", ["plain", "split", "swiglu", "tail", "normed", "folded"])
 def test_gluon_warp_specialized_product_gives_the_same_bits(monkeypatch, form, pdl, first):
     """`WARP_SPECIALIZED`: a producer warp keeping the ring full and four consumer warps give
     the one-partition kernel's bits: a plain product, one split over K, the SwiGLU form, the
-    SwiGLU with its tail blocks split (two slots), and x a folded norm's rows; PDL on and off,
-    the codes asked for before the wait or after it."""
+    SwiGLU with its tail blocks split (two slots), x a folded norm's rows, and (with
+    `WS_NORM_AFTER`) the next norm folded in after a split product; PDL on and off, the codes
+    asked for before the wait or after it."""
     from ninfer.kernels import groupwise_gemv_gluon
 
     monkeypatch.setenv("NINFER_PDL", pdl)
     monkeypatch.setattr(groupwise_gemv_gluon, "WEIGHTS_BEFORE_WAIT", first)
+    monkeypatch.setattr(groupwise_gemv_gluon, "WS_NORM_AFTER", True)
     if form == "tail":
         _tailed(monkeypatch, 5)
     torch.manual_seed(11)
@@ -296,8 +313,10 @@ def test_gluon_warp_specialized_product_gives_the_same_bits(monkeypatch, form, p
     outs = []
     for specialized in (False, True, True):  # twice: the counters and barriers left reset
         monkeypatch.setattr(groupwise_gemv_gluon, "WARP_SPECIALIZED", specialized)
-        outs.append(product(x, weight))
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+        out = product(x, weight)
+        outs.append(out if isinstance(out, tuple) else (out,))
+    for one_partition, *others in zip(*outs, strict=True):
+        assert all(torch.equal(one_partition, each) for each in others)
 
 
 @pytest.mark.parametrize("specialized", [True, False], ids=["specialized", "one partition"])
@@ -309,22 +328,12 @@ def test_gluon_codes_in_wide_boxes_give_the_same_bits(monkeypatch, form, special
     past gate's 1500 rows, a split product with the next norm folded in and a q6 weight,
     its high bits in one wide box a tile, among them."""
     from ninfer.kernels import groupwise_gemv_gluon
-    from ninfer.kernels.norm_fold import NormAfter
 
     monkeypatch.setattr(groupwise_gemv_gluon, "WARP_SPECIALIZED", specialized)
     if form == "tail":
         _tailed(monkeypatch, 5)
     torch.manual_seed(13)
-    if form == "folded":
-        weight = get_format(Q4).encode(torch.randn(5120, 17408, device="cuda") * 0.05)
-        x = torch.randn(8, 17408, device="cuda").to(torch.bfloat16)
-        residual = torch.randn(8, 5120, device="cuda").to(torch.bfloat16)
-        norm = torch.randn(5120, device="cuda").to(torch.bfloat16)
-
-        def product(x, weight):
-            rows, total = groupwise_gemv_gluon.q4_linear(x, weight, NormAfter(residual, norm, 1e-6))
-            return torch.cat([rows.weighted.float(), total.float()]), rows.squares
-    elif form == "q6":
+    if form == "q6":
         product = groupwise_gemv_gluon.q6_linear
         weight = get_format(Q6).encode(torch.randn(2000, 5120, device="cuda") * 0.05)
         x = torch.randn(8, 5120, device="cuda").to(torch.bfloat16)

@@ -241,6 +241,20 @@ def cases():
                 groupwise_gemv_gluon.STAGES,
             ) = held
 
+    def gluon_q4_warp_specialized_norm_after() -> None:
+        # the warp-specialized loop with the next norm folded in after it (`WS_NORM_AFTER`):
+        # the 27B MLP down at eight rows (split over K, four slots) and the attention's out
+        from ninfer.kernels import groupwise_gemv_gluon
+
+        held = groupwise_gemv_gluon.WS_NORM_AFTER, groupwise_gemv_gluon.STAGES
+        groupwise_gemv_gluon.WS_NORM_AFTER = True
+        try:
+            for stages, k in ((4, 17408), (3, 6144)):
+                groupwise_gemv_gluon.STAGES = stages
+                gluon_q4_folded(8, 5120, k)
+        finally:
+            groupwise_gemv_gluon.WS_NORM_AFTER, groupwise_gemv_gluon.STAGES = held
+
     def gluon_q4_narrow_codes() -> None:
         # the codes in one narrow box a tile (`WIDE_CODES` off; shipped on, which every other
         # Gluon case compiles): a plain product, one split over K, the SwiGLU with its tail split,
@@ -472,6 +486,8 @@ def cases():
         ("tensor-core gemv q4 in gluon, tail split", lambda: gluon_q4_tail(8, 34816, 5120, False)),
         ("tensor-core gemv q4 in gluon, warp-specialized", gluon_q4_warp_specialized),
         ("tensor-core gemv q4 in gluon, codes in narrow boxes", gluon_q4_narrow_codes),
+        ("tensor-core gemv q4 in gluon, warp-specialized, norm folded after",
+            gluon_q4_warp_specialized_norm_after),
         ("tensor-core gemv q6 in gluon", lambda: gluon_q6(8, 248320, 5120)),
         ("tensor-core gemv q4 in gluon, norm folded", lambda: gluon_q4_folded(8, 5120, 6144)),
         ("tensor-core gemv q4 in gluon, norm folded, split-K",
