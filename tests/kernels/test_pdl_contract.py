@@ -170,7 +170,8 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
     (the `else` of `if WS`) the wait is a top-level `_await_inputs(PDL)`. Warp-specialized,
     the program asks for the codes and scales and starts the partitions: the producer
     (`_produce_tiles`) waits first, and the consumers (`_consume_tiles`) read memory of their
-    own only after a wait. The gates programs (`_gates_program`) load only their b|a weight
+    own (a folded norm's squares before the product, or the residual and weight of one after
+    it) only after a wait. The gates programs (`_gates_program`) load only their b|a weight
     row (`ba_ptr`, which no kernel writes) before theirs. Its launch passes `pdl_options`."""
     source = (KERNEL_DIR / "groupwise_gemv_gluon.py").read_text()
     tree = ast.parse(source)
@@ -221,12 +222,25 @@ def test_the_gluon_gemv_asks_only_for_weights_before_its_wait():
             assert issues, "the weights are asked for before the wait"
         for call in issues:
             assert ast.unparse(call.args[x_flag]) == "False", ast.unparse(call)
-    # the consumers' one read of memory a kernel writes follows their own wait
-    scaled = next(s for s in functions["_consume_tiles"].body if isinstance(s, ast.If))
-    assert ast.unparse(scaled.body[0]) == "_await_inputs(PDL)"
-    consumer = _calls(functions["_consume_tiles"].body) + _calls(functions["_tile_product"].body)
-    assert not [c for c in consumer if c in ("gl.load", "gl.store") or c.startswith("gl.atomic")]
-    assert _calls(scaled.body).count("_load_squares") == 1
+    # the consumers read memory a kernel writes (ROW_SCALE: the squares; FOLD: the residual
+    # and the norm's weight) only after their own wait, taken whenever they read
+    consume = functions["_consume_tiles"].body
+    (waited,) = [
+        i
+        for i, s in enumerate(consume)
+        if isinstance(s, ast.If) and ast.unparse(s.body) == "_await_inputs(PDL)"
+    ]
+    assert ast.unparse(consume[waited].test) == "ROW_SCALE or FOLD"
+    reads = [
+        (i, s) for i, s in enumerate(consume) if {"gl.load", "_load_squares"} & set(_calls([s]))
+    ]
+    assert len(reads) == 2 and _calls(consume).count("_load_squares") == 1
+    for i, statement in reads:
+        assert i > waited and isinstance(statement, ast.If), ast.unparse(statement)
+        assert ast.unparse(statement.test) in ("ROW_SCALE", "FOLD"), ast.unparse(statement)
+    consumer = _calls(consume) + _calls(functions["_tile_product"].body)
+    assert not [c for c in consumer if c == "gl.store" or c.startswith("gl.atomic")]
+    assert "gl.load" not in _calls(functions["_tile_product"].body)
     outside = [s for s in kernel.body if s is not branch]
     assert not [c for c in _calls(outside) if c.startswith(("gl.load", "gl.store", "gl.atomic"))]
     assert "**pdl_options(x.device)" in source
